@@ -1,0 +1,169 @@
+#include "communicator.h"
+
+#include <cstdlib>
+#include <sstream>
+
+namespace hoccl {
+
+double TimeoutSeconds() {
+  const char* v = std::getenv("JAX_HOCCL_TIMEOUT_S");
+  if (v && *v) {
+    double t = std::atof(v);
+    if (t > 0) return t;
+  }
+  return 300.0;
+}
+
+Communicator::Communicator(std::string key, std::vector<int64_t> device_ids)
+    : key_(std::move(key)), device_ids_(std::move(device_ids)), next_seq_(device_ids_.size(), 0) {}
+
+uint64_t Communicator::NextSeq(int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return next_seq_[rank]++;
+}
+
+Communicator::Slot& Communicator::SlotFor(uint64_t seq) {
+  auto it = slots_.find(seq);
+  if (it != slots_.end()) return it->second;
+  const int n = size();
+  Slot& s = slots_[seq];
+  s.inputs.assign(n, nullptr);
+  s.outputs.assign(n, nullptr);
+  s.arrived.assign(n, 0);
+  s.done.assign(static_cast<size_t>(n) * n, 0);
+  return s;
+}
+
+void Communicator::Arrive(uint64_t seq, int rank, const void* input, void* output) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Slot& s = SlotFor(seq);
+    s.inputs[rank] = input;
+    s.outputs[rank] = output;
+    s.arrived[rank] = 1;
+  }
+  cv_.notify_all();
+}
+
+std::string Communicator::Describe(int rank) const {
+  std::ostringstream o;
+  o << "rank " << rank << " (device " << device_ids_[rank] << ")";
+  return o.str();
+}
+
+std::string Communicator::Fail(const std::string& msg) {
+  if (broken_.empty()) broken_ = msg;
+  cv_.notify_all();
+  return msg;
+}
+
+std::string Communicator::Broken() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return broken_;
+}
+
+static std::chrono::steady_clock::time_point Deadline() {
+  return std::chrono::steady_clock::now() +
+         std::chrono::microseconds(static_cast<int64_t>(TimeoutSeconds() * 1e6));
+}
+
+std::string Communicator::WaitArrived(uint64_t seq, int rank, int peer, const char* op) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto deadline = Deadline();
+  Slot* s = &SlotFor(seq);
+  while (!s->arrived[peer]) {
+    if (!broken_.empty()) return broken_;
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !s->arrived[peer]) {
+      std::ostringstream o;
+      o << "jax_hoccl " << op << ": " << Describe(rank) << " of group [" << key_
+        << "] timed out after " << TimeoutSeconds() << " s (JAX_HOCCL_TIMEOUT_S) at call #"
+        << seq << " waiting for missing peer(s):";
+      for (int p = 0; p < size(); ++p)
+        if (!s->arrived[p]) o << " " << Describe(p) << ";";
+      o << " every peer must call the same collectives in the same order. This communicator"
+           " is now unusable; restart the process.";
+      return Fail(o.str());
+    }
+    s = &SlotFor(seq);
+  }
+  return "";
+}
+
+std::string Communicator::WaitAllArrived(uint64_t seq, int rank, const char* op) {
+  for (int p = 0; p < size(); ++p) {
+    std::string err = WaitArrived(seq, rank, p, op);
+    if (!err.empty()) return err;
+  }
+  return "";
+}
+
+const void* Communicator::Input(uint64_t seq, int peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return SlotFor(seq).inputs[peer];
+}
+
+void* Communicator::Output(uint64_t seq, int peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return SlotFor(seq).outputs[peer];
+}
+
+void Communicator::SignalDone(uint64_t seq, int reader, int owner) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    SlotFor(seq).done[static_cast<size_t>(owner) * size() + reader] = 1;
+  }
+  cv_.notify_all();
+}
+
+std::string Communicator::WaitDone(uint64_t seq, int owner, int reader, const char* op) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto deadline = Deadline();
+  const size_t idx = static_cast<size_t>(owner) * size() + reader;
+  while (!SlotFor(seq).done[idx]) {
+    if (!broken_.empty()) return broken_;
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !SlotFor(seq).done[idx]) {
+      std::ostringstream o;
+      o << "jax_hoccl " << op << ": " << Describe(owner) << " of group [" << key_
+        << "] timed out after " << TimeoutSeconds() << " s at call #" << seq
+        << " waiting for " << Describe(reader)
+        << " to finish reading its input. This communicator is now unusable; restart the process.";
+      return Fail(o.str());
+    }
+  }
+  return "";
+}
+
+void Communicator::Leave(uint64_t seq, int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = slots_.find(seq);
+  if (it == slots_.end()) return;
+  if (++it->second.left == size()) slots_.erase(it);
+}
+
+static std::mutex g_registry_mu;
+static std::map<std::string, std::unique_ptr<Communicator>>& Registry() {
+  static auto* r = new std::map<std::string, std::unique_ptr<Communicator>>();
+  return *r;
+}
+
+Communicator& GetCommunicator(const std::string& platform, const std::vector<int64_t>& ids) {
+  std::ostringstream k;
+  for (size_t i = 0; i < ids.size(); ++i) k << (i ? "," : "") << ids[i];
+  std::string key = platform + ":" + k.str();
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  auto& slot = Registry()[key];
+  if (!slot) slot = std::make_unique<Communicator>(k.str(), ids);
+  return *slot;
+}
+
+size_t LiveSlotCount() {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  size_t total = 0;
+  for (auto& [key, comm] : Registry()) {
+    std::lock_guard<std::mutex> l(comm->mu_);
+    total += comm->slots_.size();
+  }
+  return total;
+}
+
+}  // namespace hoccl

@@ -1,0 +1,90 @@
+// A communicator: the ranks of one group (device ids in rank order) and the host-side
+// rendezvous they use to meet once per collective. Keyed by (platform, device ids), so
+// every group of a mesh axis gets its own; each rank keeps its own sequence counter, and
+// because every rank runs the same SPMD program the counters agree without talking.
+//
+// The rendezvous slot for (communicator, sequence) carries each rank's buffer addresses
+// ("direct" mode: peers copy straight between XLA's buffers) plus the ready/done handshakes
+// the CPU executor uses. A wait that exceeds the deadline breaks the communicator: its
+// counters are then out of step, so every later call fails fast with the original reason.
+#ifndef JAX_HOCCL_COMMUNICATOR_H_
+#define JAX_HOCCL_COMMUNICATOR_H_
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace hoccl {
+
+// Seconds a rank waits for its peers before failing; env JAX_HOCCL_TIMEOUT_S (default 300).
+double TimeoutSeconds();
+
+class Communicator {
+ public:
+  Communicator(std::string key, std::vector<int64_t> device_ids);
+
+  int size() const { return static_cast<int>(device_ids_.size()); }
+  const std::vector<int64_t>& device_ids() const { return device_ids_; }
+  const std::string& key() const { return key_; }
+
+  // The next sequence number of `rank` (0, 1, 2, ...).
+  uint64_t NextSeq(int rank);
+
+  // Publish my buffers for `seq`; marks me arrived (= ready for every reader).
+  void Arrive(uint64_t seq, int rank, const void* input, void* output);
+
+  // Wait until `peer` has arrived at `seq`. On timeout returns an error naming the op, my
+  // rank and every rank still missing, and breaks the communicator.
+  std::string WaitArrived(uint64_t seq, int rank, int peer, const char* op);
+  // Wait until all ranks arrived (used by executors that need every address at once).
+  std::string WaitAllArrived(uint64_t seq, int rank, const char* op);
+
+  const void* Input(uint64_t seq, int peer);
+  void* Output(uint64_t seq, int peer);
+
+  // Reader -> owner: finished reading owner's input.
+  void SignalDone(uint64_t seq, int reader, int owner);
+  std::string WaitDone(uint64_t seq, int owner, int reader, const char* op);
+
+  // Rank is finished with `seq`; the slot is freed when every rank has left.
+  void Leave(uint64_t seq, int rank);
+
+  // Error text if an earlier timeout broke this communicator, else "".
+  std::string Broken();
+
+ private:
+  friend size_t LiveSlotCount();
+  struct Slot {
+    std::vector<const void*> inputs;
+    std::vector<void*> outputs;
+    std::vector<char> arrived;
+    std::vector<char> done;  // done[owner * n + reader]
+    int left = 0;
+  };
+  Slot& SlotFor(uint64_t seq);  // requires mu_
+  std::string Fail(const std::string& msg);  // requires mu_
+  std::string Describe(int rank) const;
+
+  const std::string key_;
+  const std::vector<int64_t> device_ids_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<uint64_t> next_seq_;
+  std::map<uint64_t, Slot> slots_;
+  std::string broken_;
+};
+
+// The process-wide communicator for (platform, device ids); created on first use.
+Communicator& GetCommunicator(const std::string& platform, const std::vector<int64_t>& ids);
+
+// Number of live rendezvous slots over all communicators (tests check nothing leaks).
+size_t LiveSlotCount();
+
+}  // namespace hoccl
+
+#endif  // JAX_HOCCL_COMMUNICATOR_H_

@@ -1,0 +1,18 @@
+// The FFI handler symbols the nanobind module exposes to Python (module.cc). One handler per
+// mover and platform; all take (x) -> out with attributes groups, group_size[, permute_dst].
+#ifndef JAX_HOCCL_HANDLERS_H_
+#define JAX_HOCCL_HANDLERS_H_
+
+#include "xla/ffi/api/c_api.h"
+
+namespace hoccl {
+
+extern "C" {
+XLA_FFI_Error* kAllGatherCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kAllToAllCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kPermuteCpu(XLA_FFI_CallFrame* call_frame);
+}
+
+}  // namespace hoccl
+
+#endif  // JAX_HOCCL_HANDLERS_H_

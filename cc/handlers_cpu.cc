@@ -1,0 +1,75 @@
+// XLA FFI handlers for platform "cpu": decode buffers and attributes, find this device's
+// group and rank, run the plan with the CPU executor. The CUDA handlers (handlers_cuda.cc)
+// take the same attributes, so the Python lowering is identical for both platforms.
+#include <string>
+#include <vector>
+
+#include "communicator.h"
+#include "cpu_executor.h"
+#include "group.h"
+#include "handlers.h"
+#include "plan.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace hoccl {
+namespace {
+
+ffi::Error RunCpu(OpKind op, int64_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
+                  ffi::Span<const int64_t> groups, int64_t group_size,
+                  ffi::Span<const int64_t> permute_dst) {
+  GroupPosition pos;
+  std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
+  if (!err.empty()) return ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) + ": " + err);
+  OpSpec spec{op, static_cast<int>(group_size), pos.rank, x.size_bytes(), {}};
+  spec.permute_dst.assign(permute_dst.begin(), permute_dst.end());
+  if (out->size_bytes() != OutputBytes(spec))
+    return ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) +
+                                       ": output size does not match the input");
+  Communicator& comm = GetCommunicator("cpu", pos.device_ids);
+  err = RunOnCpu(comm, spec, x.untyped_data(), out->untyped_data());
+  if (!err.empty()) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, err);
+  return ffi::Error::Success();
+}
+
+ffi::Error AllGatherCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Span<const int64_t> groups, int64_t group_size) {
+  return RunCpu(OpKind::kAllGather, device, x, out, groups, group_size, {});
+}
+ffi::Error AllToAllCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Span<const int64_t> groups, int64_t group_size) {
+  return RunCpu(OpKind::kAllToAll, device, x, out, groups, group_size, {});
+}
+ffi::Error PermuteCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Span<const int64_t> groups, int64_t group_size,
+                      ffi::Span<const int64_t> permute_dst) {
+  return RunCpu(OpKind::kPermute, device, x, out, groups, group_size, permute_dst);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherCpu, AllGatherCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllCpu, AllToAllCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteCpu, PermuteCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<ffi::Span<const int64_t>>("permute_dst"));
+
+}  // namespace hoccl

@@ -1,0 +1,71 @@
+// The one Python extension module, jax_hoccl._hoccl: FFI handler capsules for jax.ffi
+// registration, plus the scheduler and communicator introspection the tests use.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <tuple>
+
+#include "communicator.h"
+#include "handlers.h"
+#include "plan.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+nb::dict Registrations() {
+  nb::dict d;
+  auto add = [&](const char* name, nb::capsule cpu, nb::object cuda) {
+    nb::dict per_platform;
+    per_platform["cpu"] = cpu;
+    if (!cuda.is_none()) per_platform["CUDA"] = cuda;
+    d[name] = per_platform;
+  };
+#ifdef JAX_HOCCL_WITH_CUDA
+  add("hoccl_all_gather", Capsule(hoccl::kAllGatherCpu), Capsule(hoccl::kAllGatherCuda));
+  add("hoccl_all_to_all", Capsule(hoccl::kAllToAllCpu), Capsule(hoccl::kAllToAllCuda));
+  add("hoccl_ppermute", Capsule(hoccl::kPermuteCpu), Capsule(hoccl::kPermuteCuda));
+#else
+  add("hoccl_all_gather", Capsule(hoccl::kAllGatherCpu), nb::none());
+  add("hoccl_all_to_all", Capsule(hoccl::kAllToAllCpu), nb::none());
+  add("hoccl_ppermute", Capsule(hoccl::kPermuteCpu), nb::none());
+#endif
+  return d;
+}
+
+using PyStep = std::tuple<int, int, int, size_t, size_t, size_t>;
+
+// The steps one rank executes: (kind, peer, channel, src_offset, dst_offset, bytes).
+std::vector<PyStep> Plan(int op, int group_size, int rank, size_t bytes,
+                         std::vector<int> permute_dst, int chunks, int channels) {
+  hoccl::OpSpec spec{static_cast<hoccl::OpKind>(op), group_size, rank, bytes, permute_dst};
+  std::string err = hoccl::ValidateSpec(spec);
+  if (!err.empty()) throw nb::value_error(err.c_str());
+  std::vector<PyStep> out;
+  for (const hoccl::Step& s : hoccl::MakePlan(spec, {chunks, channels}))
+    out.emplace_back(static_cast<int>(s.kind), s.peer, s.channel, s.src_offset, s.dst_offset,
+                     s.bytes);
+  return out;
+}
+
+}  // namespace
+
+NB_MODULE(_hoccl, m) {
+  m.def("registrations", &Registrations);
+  m.def("plan", &Plan, nb::arg("op"), nb::arg("group_size"), nb::arg("rank"), nb::arg("bytes"),
+        nb::arg("permute_dst") = std::vector<int>{}, nb::arg("chunks") = 1,
+        nb::arg("channels") = 1);
+  m.def("live_slot_count", &hoccl::LiveSlotCount);
+#ifdef JAX_HOCCL_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

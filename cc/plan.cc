@@ -1,0 +1,112 @@
+#include "plan.h"
+
+#include <algorithm>
+
+namespace hoccl {
+
+const char* OpName(OpKind op) {
+  switch (op) {
+    case OpKind::kAllGather: return "all_gather";
+    case OpKind::kAllToAll: return "all_to_all";
+    case OpKind::kPermute: return "ppermute";
+  }
+  return "unknown";
+}
+
+std::string ValidateSpec(const OpSpec& spec) {
+  const int n = spec.group_size;
+  if (n < 1) return "group size must be >= 1";
+  if (spec.rank < 0 || spec.rank >= n) return "rank out of range";
+  if (spec.op == OpKind::kAllToAll && spec.bytes % n != 0)
+    return "all_to_all input bytes must divide by the group size";
+  if (spec.op == OpKind::kPermute) {
+    if (static_cast<int>(spec.permute_dst.size()) != n)
+      return "permutation must have one entry per rank";
+    std::vector<int> seen(n, 0);
+    for (int d : spec.permute_dst) {
+      if (d < -1 || d >= n) return "permutation destination out of range";
+      if (d >= 0 && seen[d]++) return "permutation sends two buffers to one rank";
+    }
+  }
+  return "";
+}
+
+size_t OutputBytes(const OpSpec& spec) {
+  return spec.op == OpKind::kAllGather ? spec.bytes * spec.group_size : spec.bytes;
+}
+
+namespace {
+
+// The source block of `src` that lands in `dst`'s output: (src offset, dst offset, bytes).
+struct Block { size_t src_offset, dst_offset, bytes; };
+
+Block BlockFor(const OpSpec& s, int src, int dst) {
+  switch (s.op) {
+    case OpKind::kAllGather: return {0, src * s.bytes, s.bytes};
+    case OpKind::kAllToAll: {
+      size_t b = s.bytes / s.group_size;
+      return {dst * b, src * b, b};
+    }
+    case OpKind::kPermute: return {0, 0, s.bytes};
+  }
+  return {0, 0, 0};
+}
+
+// Does `dst` read from `src`?
+bool Reads(const OpSpec& s, int dst, int src) {
+  if (s.op == OpKind::kPermute) return s.permute_dst[src] == dst;
+  return true;
+}
+
+}  // namespace
+
+std::vector<Step> MakePlan(const OpSpec& spec, const PlanOptions& options) {
+  const int n = spec.group_size, r = spec.rank;
+  const int chunks = std::max(1, options.chunks);
+  const int channels = std::max(1, options.channels);
+  std::vector<Step> steps;
+  int copy_index = 0;
+  auto add_copies = [&](int src) {
+    Block b = BlockFor(spec, src, r);
+    // Split into `chunks` nearly equal pieces; sizes need not divide.
+    size_t base = b.bytes / chunks, extra = b.bytes % chunks, off = 0;
+    for (int c = 0; c < chunks; ++c) {
+      size_t len = base + (static_cast<size_t>(c) < extra ? 1 : 0);
+      if (len == 0) continue;
+      steps.push_back({StepKind::kCopy, src, copy_index++ % channels, b.src_offset + off,
+                       b.dst_offset + off, len});
+      off += len;
+    }
+  };
+
+  // 1. Tell every reader of my input that it is ready (rotated order).
+  for (int k = 1; k < n; ++k) {
+    int p = (r + n - k) % n;  // the rank that reads from me at round k
+    if (Reads(spec, p, r)) steps.push_back({StepKind::kSignalReady, p, 0, 0, 0, 0});
+  }
+  // 2. My own block needs no handshake.
+  bool receives = false;
+  if (Reads(spec, r, r)) {
+    add_copies(r);
+    receives = true;
+  }
+  // 3. Pull from peers: at round k I read from (r + k) % n, so no two ranks read one peer.
+  for (int k = 1; k < n; ++k) {
+    int p = (r + k) % n;
+    if (!Reads(spec, r, p)) continue;
+    receives = true;
+    steps.push_back({StepKind::kWaitReady, p, 0, 0, 0, 0});
+    add_copies(p);
+    steps.push_back({StepKind::kSignalDone, p, 0, 0, 0, 0});
+  }
+  // 4. A ppermute destination nobody sends to gets zeros (jax.lax semantics).
+  if (!receives && spec.bytes > 0) steps.push_back({StepKind::kZero, r, 0, 0, 0, spec.bytes});
+  // 5. My input may be released only when every reader is done with it.
+  for (int k = 1; k < n; ++k) {
+    int p = (r + n - k) % n;
+    if (Reads(spec, p, r)) steps.push_back({StepKind::kWaitDone, p, 0, 0, 0, 0});
+  }
+  return steps;
+}
+
+}  // namespace hoccl

@@ -1,0 +1,73 @@
+// The collective scheduler: turns (op, group size, rank, bytes, options) into the ordered
+// list of steps one rank executes. Pure C++: no CUDA, no XLA, so it is unit-tested by a
+// simulator (tests/test_plan_simulator.py) and shared by the CPU and CUDA executors.
+//
+// Model: every rank owns one input and one output buffer. The plan is *pull*-based: a rank
+// only ever writes its own output, reading peers' inputs. Two handshakes guard each peer pair
+//   ready(owner -> reader): "my input holds this op's data and may be read"
+//   done (reader -> owner): "I finished reading your input; you may reuse it"
+// so no byte is read before it is ready and no input is released while a peer still reads it.
+#ifndef JAX_HOCCL_PLAN_H_
+#define JAX_HOCCL_PLAN_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace hoccl {
+
+enum class OpKind : int { kAllGather = 0, kAllToAll = 1, kPermute = 2 };
+
+const char* OpName(OpKind op);
+
+enum class StepKind : int {
+  kSignalReady = 0,  // tell `peer` that my input is ready for it to read
+  kWaitReady = 1,    // wait until `peer` said its input is ready
+  kCopy = 2,         // copy `bytes` from peer's input + src_offset to my output + dst_offset
+  kZero = 3,         // fill my output + dst_offset with `bytes` zeros (ppermute non-receivers)
+  kSignalDone = 4,   // tell `peer` I finished reading its input
+  kWaitDone = 5,     // wait until `peer` said it finished reading my input
+};
+
+struct Step {
+  StepKind kind;
+  int peer;        // the other rank (== own rank for a local copy)
+  int channel;     // which stream / engine carries a copy (0 for non-copies)
+  size_t src_offset;
+  size_t dst_offset;
+  size_t bytes;
+};
+
+struct PlanOptions {
+  // Split each peer's block into this many copies (a pipeline the executor may spread over
+  // channels). 1 = one direct copy per peer.
+  int chunks = 1;
+  // Number of channels (streams/engines) copies are spread over, round-robin.
+  int channels = 1;
+};
+
+struct OpSpec {
+  OpKind op;
+  int group_size;
+  int rank;
+  // all_gather: bytes of the input (one rank's shard); all_to_all: bytes of the whole input
+  // (group_size equal blocks); permute: bytes of the input.
+  size_t bytes;
+  // permute only: dst[src] = destination rank of src's buffer, or -1 (size group_size).
+  std::vector<int> permute_dst;
+};
+
+// Validates the spec; returns an empty string or a message saying what is wrong.
+std::string ValidateSpec(const OpSpec& spec);
+
+// The steps `spec.rank` executes, in order. Peers are visited in rotated order
+// (rank+1, rank+2, ...) so at any moment each rank reads from a different peer.
+std::vector<Step> MakePlan(const OpSpec& spec, const PlanOptions& options);
+
+// Output bytes of one rank for this spec.
+size_t OutputBytes(const OpSpec& spec);
+
+}  // namespace hoccl
+
+#endif  // JAX_HOCCL_PLAN_H_
