@@ -1,0 +1,84 @@
+"""Trace-time checks of axis names and dtypes, and the group table a lowering passes to C++."""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from jax_hoccl._src import jax_internals as ji
+
+# Dtypes the copy engines move (any whole-byte element type). Sub-byte types (int4, ...)
+# have no byte address per element, so a byte mover cannot split them into chunks.
+_MOVABLE = {
+    np.dtype(t) for t in (
+        np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+        np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128)
+} | {np.dtype(jnp.bfloat16)}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+              "float8_e4m3b11fnuz", "float8_e4m3", "float8_e8m0fnu", "float8_e3m4"):
+  if hasattr(jnp, _name):
+    _MOVABLE.add(np.dtype(getattr(jnp, _name)))
+
+# Dtypes psum/psum_scatter add (bool is promoted to int32 first, like jax.lax.psum).
+_SUMMABLE = {d for d in _MOVABLE if d.kind in "iufc"}
+
+
+def normalize_axes(axis_name) -> tuple:
+  if isinstance(axis_name, (tuple, list)):
+    return tuple(axis_name)
+  return (axis_name,)
+
+
+def check_axes(axis_name, op: str, axis_index_groups=None) -> tuple[tuple, int]:
+  """Checks the axes are manual mesh axes of the enclosing shard_map; returns (axes, size)."""
+  if axis_index_groups is not None:
+    raise NotImplementedError(
+        f"jax_hoccl.{op}: axis_index_groups is not supported; use a mesh axis per group.")
+  axes = normalize_axes(axis_name)
+  if not axes:
+    raise ValueError(f"jax_hoccl.{op}: axis_name must name at least one mesh axis.")
+  if len(set(axes)) != len(axes):
+    raise ValueError(f"jax_hoccl.{op}: axis_name {axes} repeats an axis.")
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = set(getattr(mesh, "manual_axes", ()) or ())
+  if not manual:
+    raise ValueError(
+        f"jax_hoccl.{op}(axis_name={axis_name!r}) was called outside jax.shard_map. jax_hoccl "
+        "collectives run per device: call them inside jax.shard_map(f, mesh=..., in_specs=..., "
+        "out_specs=...).")
+  missing = [a for a in axes if a not in manual]
+  if missing:
+    raise ValueError(
+        f"jax_hoccl.{op}: axis name(s) {missing} not found among the manual axes "
+        f"{sorted(manual, key=str)} of the enclosing shard_map mesh {dict(mesh.shape)}.")
+  size = int(np.prod([mesh.shape[a] for a in axes]))
+  return axes, size
+
+
+def check_dtype(x, op: str, summable: bool = False) -> None:
+  dt = np.dtype(x.dtype)
+  allowed = _SUMMABLE if summable else _MOVABLE
+  if summable and dt == np.bool_:
+    return
+  if dt not in allowed:
+    kind = "summed" if summable else "moved"
+    raise TypeError(
+        f"jax_hoccl.{op}: dtype {dt} is not supported (it cannot be {kind} by jax_hoccl). "
+        f"Supported: {sorted(str(d) for d in allowed)}.")
+
+
+def group_table(mesh, axes) -> np.ndarray:
+  """Device ids of every group along `axes`: shape [num_groups, group_size], rows in rank
+  order (row-major over `axes` in the order given, as jax.lax.axis_index does)."""
+  names = list(mesh.axis_names)
+  ids = np.asarray(mesh.device_ids)
+  others = [a for a in names if a not in axes]
+  perm = [names.index(a) for a in others] + [names.index(a) for a in axes]
+  n = int(np.prod([ids.shape[names.index(a)] for a in axes]))
+  return np.ascontiguousarray(ids.transpose(perm).reshape(-1, n)).astype(np.int64)
+
+
+def ffi_group_attrs(ctx, axes, op: str) -> dict:
+  mesh = ji.concrete_mesh_from_lowering(ctx, op)
+  table = group_table(mesh, axes)
+  return dict(groups=table.reshape(-1), group_size=np.int64(table.shape[1]))

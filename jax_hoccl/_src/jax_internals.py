@@ -1,0 +1,46 @@
+"""Every use of jax's private APIs in jax_hoccl, in one place.
+
+A collective that behaves like jax.lax's inside shard_map needs its own primitive: an abstract
+eval that sets the varying-manual-axes type, a lowering that sees the concrete mesh (for the
+device ids of each group), transpose and batching rules. jax exposes none of that publicly;
+when jax changes, this is the file to fix. Checked against jax 0.11.2.
+"""
+from __future__ import annotations
+
+import jax
+from jax._src import config as _config
+from jax._src import core
+from jax._src.interpreters import ad, batching, mlir
+from jax._src.sharding_impls import SPMDAxisContext
+
+Primitive = core.Primitive
+deflinear2 = ad.deflinear2
+is_undefined_primal = ad.is_undefined_primal
+register_lowering = mlir.register_lowering
+lower_fun = mlir.lower_fun
+primitive_batchers = batching.primitive_batchers
+
+
+def check_vma_enabled() -> bool:
+  """True inside shard_map(check_vma=True): values carry varying-manual-axes types."""
+  return bool(_config._check_vma.value)
+
+
+def varying_axes(aval) -> frozenset:
+  return frozenset(aval.mat.varying)
+
+
+def with_type(aval, shape, varying) -> core.ShapedArray:
+  """`aval` with a new shape and set of varying manual axes."""
+  return aval.update(shape=tuple(shape), manual_axis_type=aval.mat.update(varying=frozenset(varying)))
+
+
+def concrete_mesh_from_lowering(ctx, op_name: str):
+  """The concrete mesh a shard_map body is lowered for (device ids needed for the groups)."""
+  axis_ctx = ctx.module_context.axis_context
+  mesh = getattr(axis_ctx, "mesh", None) if isinstance(axis_ctx, SPMDAxisContext) else None
+  if mesh is None or not hasattr(mesh, "device_ids"):
+    raise ValueError(
+        f"jax_hoccl.{op_name} must be lowered inside jax.shard_map over a concrete mesh "
+        f"(jax.make_mesh / jax.sharding.Mesh); got axis context {type(axis_ctx).__name__}.")
+  return mesh

@@ -1,0 +1,80 @@
+"""all_gather: every rank's shard lands in every rank's output.
+
+The primitive `hoccl_all_gather` is the mover: x -> out[n, *x.shape], out[k] = rank k's x,
+a copy per peer, no arithmetic. `all_gather` (jax.lax's signature) places that stacked axis
+where the user asked. With invariant=True the output is typed invariant over the axes
+(jax.lax.all_gather_invariant; psum uses it).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import jax_internals as ji
+from jax_hoccl._src.ffi_targets import ffi_lower
+from jax_hoccl._src.ops import common
+
+all_gather_p = ji.Primitive("hoccl_all_gather")
+
+
+def _abstract_eval(x, *, axes, axis_size, invariant):
+  vma = ji.varying_axes(x)
+  if ji.check_vma_enabled() and not set(axes) <= vma:
+    raise ValueError(f"jax_hoccl all_gather: input must be varying over {axes}, got {set(vma)}")
+  out_vma = vma - set(axes) if invariant else vma
+  return ji.with_type(x, (axis_size, *x.shape), out_vma)
+
+
+def _lowering(ctx, x, *, axes, axis_size, invariant):
+  return ffi_lower("hoccl_all_gather", "all_gather", ctx, x,
+                   **axes_lib.ffi_group_attrs(ctx, axes, "all_gather"))
+
+
+def _transpose(ct, x, *, axes, axis_size, invariant):
+  if invariant and ji.check_vma_enabled():
+    # The cotangent of an invariant output is the same on every rank: take my block.
+    rank = jax.lax.axis_index(common.axis_name_arg(axes))
+    return [jax.lax.dynamic_index_in_dim(ct, rank, axis=0, keepdims=False)]
+  from jax_hoccl._src.ops.psum_scatter import reduce_scatter_p
+  return [reduce_scatter_p.bind(ct, axes=axes, axis_size=axis_size)]
+
+
+def _batch(args, dims, *, axes, axis_size, invariant):
+  (x,), (d,) = args, dims
+  out = all_gather_p.bind(x, axes=axes, axis_size=axis_size, invariant=invariant)
+  return out, (None if d is None else d + 1)  # the stacked axis is new and leading
+
+
+all_gather_p.def_abstract_eval(_abstract_eval)
+ji.register_lowering(all_gather_p, _lowering)
+ji.deflinear2(all_gather_p, _transpose)
+ji.primitive_batchers[all_gather_p] = _batch
+
+
+def gather_stacked(x, axes, axis_size, invariant=False):
+  return all_gather_p.bind(x, axes=tuple(axes), axis_size=int(axis_size), invariant=invariant)
+
+
+def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to="varying"):
+  """jax.lax.all_gather on copy engines. Works on pytrees."""
+  if to not in ("varying", "invariant"):
+    raise ValueError(f"jax_hoccl.all_gather: to must be 'varying' or 'invariant', got {to!r}")
+  axes, n = axes_lib.check_axes(axis_name, "all_gather", axis_index_groups)
+
+  def one(leaf):
+    leaf = jnp.asarray(leaf)
+    axes_lib.check_dtype(leaf, "all_gather")
+    nd = leaf.ndim
+    ax = common.canonical_axis(axis, nd if tiled else nd + 1, "all_gather", "axis")
+    if tiled and nd == 0:
+      raise ValueError("jax_hoccl.all_gather: tiled=True needs an input of rank >= 1.")
+    y = gather_stacked(common.ensure_varying(leaf, axes), axes, n, invariant=(to == "invariant"))
+    y = jnp.moveaxis(y, 0, ax)  # [.., n, d_ax, ..]
+    if tiled:
+      shape = list(leaf.shape)
+      shape[ax] *= n
+      y = y.reshape(shape)
+    return y
+
+  return jax.tree.map(one, x)

@@ -1,0 +1,90 @@
+"""all_to_all: chunk j of rank i lands as chunk i of rank j.
+
+The primitive `hoccl_all_to_all` is the mover on a stacked layout x[n, ...] (block j goes to
+rank j); it is its own transpose. `all_to_all` (jax.lax's signature) reshapes split_axis /
+concat_axis into and out of that layout.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import jax_internals as ji
+from jax_hoccl._src.ffi_targets import ffi_lower
+from jax_hoccl._src.ops import common
+
+all_to_all_p = ji.Primitive("hoccl_all_to_all")
+
+
+def _abstract_eval(x, *, axes, axis_size):
+  vma = ji.varying_axes(x)
+  if ji.check_vma_enabled() and not set(axes) <= vma:
+    raise ValueError(f"jax_hoccl all_to_all: input must be varying over {axes}, got {set(vma)}")
+  if not x.shape or x.shape[0] != axis_size:
+    raise ValueError(f"jax_hoccl all_to_all: leading dim must be {axis_size}, got {x.shape}")
+  return ji.with_type(x, x.shape, vma)
+
+
+def _lowering(ctx, x, *, axes, axis_size):
+  return ffi_lower("hoccl_all_to_all", "all_to_all", ctx, x,
+                   **axes_lib.ffi_group_attrs(ctx, axes, "all_to_all"))
+
+
+def _transpose(ct, x, *, axes, axis_size):
+  return [all_to_all_p.bind(ct, axes=axes, axis_size=axis_size)]
+
+
+def _batch(args, dims, *, axes, axis_size):
+  (x,), (d,) = args, dims
+  if d == 0:  # keep the rank-block axis leading: move the batch axis behind it
+    x, d = jnp.moveaxis(x, 0, 1), 1
+  return all_to_all_p.bind(x, axes=axes, axis_size=axis_size), d
+
+
+all_to_all_p.def_abstract_eval(_abstract_eval)
+ji.register_lowering(all_to_all_p, _lowering)
+ji.deflinear2(all_to_all_p, _transpose)
+ji.primitive_batchers[all_to_all_p] = _batch
+
+
+def exchange_stacked(x, axes, axis_size):
+  return all_to_all_p.bind(x, axes=tuple(axes), axis_size=int(axis_size))
+
+
+def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None, tiled=False):
+  """jax.lax.all_to_all on copy engines. Works on pytrees."""
+  axes, n = axes_lib.check_axes(axis_name, "all_to_all", axis_index_groups)
+
+  def one(leaf):
+    leaf = jnp.asarray(leaf)
+    axes_lib.check_dtype(leaf, "all_to_all")
+    nd = leaf.ndim
+    if nd == 0:
+      raise ValueError("jax_hoccl.all_to_all: input must have rank >= 1.")
+    s = common.canonical_axis(split_axis, nd, "all_to_all", "split_axis")
+    c = common.canonical_axis(concat_axis, nd, "all_to_all", "concat_axis")
+    size = leaf.shape[s]
+    if tiled and size % n:
+      raise ValueError(f"jax_hoccl.all_to_all: split_axis {s} has size {size}, which does not "
+                       f"divide by the axis size {n} of {axes}.")
+    if not tiled and size != n:
+      raise ValueError(f"jax_hoccl.all_to_all: with tiled=False split_axis {s} must have size "
+                       f"{n} (the size of {axes}), got {size}.")
+    x = common.ensure_varying(leaf, axes)
+    # [.., n, size/n, ..] with the rank-block axis moved to the front.
+    shape = list(leaf.shape)
+    shape[s:s + 1] = [n, size // n]
+    blocks = jnp.moveaxis(x.reshape(shape), s, 0)
+    got = exchange_stacked(blocks, axes, n)  # got[j] = rank j's block for me
+    rest = list(got.shape[1:])  # the input shape with split axis size/n
+    if tiled:
+      y = jnp.moveaxis(got, 0, c)  # [.., n, d_c, ..]
+      out_shape = list(rest)
+      out_shape[c] *= n
+      return y.reshape(out_shape)
+    # Untiled: the split axis (now size 1) disappears, a new axis of size n appears at c.
+    got = jnp.squeeze(got, axis=1 + s)
+    return jnp.moveaxis(got, 0, c)
+
+  return jax.tree.map(one, x)

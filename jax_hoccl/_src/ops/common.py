@@ -1,0 +1,36 @@
+"""Helpers shared by the collectives: summing received blocks, pytree mapping, pvary."""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from jax_hoccl._src import jax_internals as ji
+
+
+def sum_leading(x):
+  """Sum over axis 0 in a fixed order. bf16/f16 accumulate in f32 and round once, so the
+  result is identical on every rank and every run (unlike per-hop rounding in a ring)."""
+  dt = np.dtype(x.dtype)
+  if dt in (np.dtype(jnp.bfloat16), np.dtype(np.float16)):
+    return jnp.sum(x.astype(jnp.float32), axis=0).astype(dt)
+  return jnp.sum(x, axis=0, dtype=dt)
+
+
+def ensure_varying(x, axes):
+  """Like jax.lax's collectives: an input invariant over `axes` is first made varying, so a
+  psum of a replicated value sums n copies (check_vma=True only; a no-op otherwise)."""
+  if not ji.check_vma_enabled():
+    return x
+  missing = tuple(a for a in axes if a not in ji.varying_axes(jax.typeof(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def axis_name_arg(axes):
+  return axes[0] if len(axes) == 1 else axes
+
+
+def canonical_axis(axis: int, ndim: int, op: str, what: str) -> int:
+  if not -ndim <= axis < ndim:
+    raise ValueError(f"jax_hoccl.{op}: {what}={axis} is out of range for an array of rank {ndim}.")
+  return axis % ndim

@@ -1,0 +1,71 @@
+"""ppermute: rank i's buffer lands at perm(i); ranks nobody sends to get zeros.
+
+One copy per (source, destination) pair; the transpose is the inverse permutation.
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import jax_internals as ji
+from jax_hoccl._src.ffi_targets import ffi_lower
+from jax_hoccl._src.ops import common
+
+ppermute_p = ji.Primitive("hoccl_ppermute")
+
+
+def _abstract_eval(x, *, axes, axis_size, perm):
+  vma = ji.varying_axes(x)
+  if ji.check_vma_enabled() and not set(axes) <= vma:
+    raise ValueError(f"jax_hoccl ppermute: input must be varying over {axes}, got {set(vma)}")
+  return ji.with_type(x, x.shape, vma)
+
+
+def _lowering(ctx, x, *, axes, axis_size, perm):
+  dst = np.full(axis_size, -1, np.int64)
+  for s, d in perm:
+    dst[s] = d
+  return ffi_lower("hoccl_ppermute", "ppermute", ctx, x, permute_dst=dst,
+                   **axes_lib.ffi_group_attrs(ctx, axes, "ppermute"))
+
+
+def _transpose(ct, x, *, axes, axis_size, perm):
+  inverse = tuple((d, s) for s, d in perm)
+  return [ppermute_p.bind(ct, axes=axes, axis_size=axis_size, perm=inverse)]
+
+
+def _batch(args, dims, *, axes, axis_size, perm):
+  (x,), (d,) = args, dims
+  return ppermute_p.bind(x, axes=axes, axis_size=axis_size, perm=perm), d
+
+
+ppermute_p.def_abstract_eval(_abstract_eval)
+ji.register_lowering(ppermute_p, _lowering)
+ji.deflinear2(ppermute_p, _transpose)
+ji.primitive_batchers[ppermute_p] = _batch
+
+
+def check_perm(perm, n, op="ppermute"):
+  perm = tuple((int(s), int(d)) for s, d in perm)
+  srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
+  for i in srcs + dsts:
+    if not 0 <= i < n:
+      raise ValueError(f"jax_hoccl.{op}: permutation index {i} is out of range for axis size {n}.")
+  if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+    raise ValueError(f"jax_hoccl.{op}: perm {perm} sends from or to one rank twice.")
+  return perm
+
+
+def ppermute(x, axis_name, perm):
+  """jax.lax.ppermute on copy engines. Works on pytrees."""
+  axes, n = axes_lib.check_axes(axis_name, "ppermute")
+  perm = check_perm(perm, n)
+
+  def one(leaf):
+    leaf = jnp.asarray(leaf)
+    axes_lib.check_dtype(leaf, "ppermute")
+    return ppermute_p.bind(common.ensure_varying(leaf, axes), axes=axes, axis_size=n, perm=perm)
+
+  return jax.tree.map(one, x)

@@ -1,0 +1,107 @@
+"""psum: every rank gets the sum over ranks.
+
+Two algorithms, both compositions of the movers with an XLA sum (no kernel of ours):
+  one_shot : all_gather everything, sum locally. One round of copies: best for small inputs.
+  two_step : psum_scatter then all_gather (each rank sums 1/n). Moves 2(n-1)/n of the bytes
+             instead of (n-1): best for large inputs.
+"auto" picks by size (ONE_SHOT_MAX_BYTES). Override with the env var JAX_HOCCL_PSUM_ALGORITHM
+or `with jax_hoccl.psum_algorithm("two_step"):` around the tracing of your function.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import jax_internals as ji
+from jax_hoccl._src.ops import common
+from jax_hoccl._src.ops.all_gather import gather_stacked
+from jax_hoccl._src.ops.psum_scatter import reduce_scatter_stacked
+
+ALGORITHMS = ("auto", "one_shot", "two_step")
+ONE_SHOT_MAX_BYTES = 256 * 1024
+_local = threading.local()
+
+psum_p = ji.Primitive("hoccl_psum")
+
+
+def choose_algorithm(nbytes: int, n: int) -> str:
+  algo = getattr(_local, "algorithm", None) or os.environ.get("JAX_HOCCL_PSUM_ALGORITHM", "auto")
+  if algo not in ALGORITHMS:
+    raise ValueError(f"jax_hoccl.psum: algorithm must be one of {ALGORITHMS}, got {algo!r}")
+  if algo == "auto":
+    algo = "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES or n == 1 else "two_step"
+  return algo
+
+
+@contextlib.contextmanager
+def psum_algorithm(name: str):
+  """Force psum's algorithm for functions traced inside this block."""
+  if name not in ALGORITHMS:
+    raise ValueError(f"psum_algorithm must be one of {ALGORITHMS}, got {name!r}")
+  prev = getattr(_local, "algorithm", None)
+  _local.algorithm = name
+  try:
+    yield
+  finally:
+    _local.algorithm = prev
+
+
+def _abstract_eval(x, *, axes, axis_size, algorithm):
+  vma = ji.varying_axes(x)
+  if ji.check_vma_enabled() and not set(axes) <= vma:
+    raise ValueError(f"jax_hoccl psum: input must be varying over {axes}, got {set(vma)}")
+  return ji.with_type(x, x.shape, vma - set(axes))
+
+
+def _impl(x, *, axes, axis_size, algorithm):
+  n = axis_size
+  if algorithm == "one_shot":
+    return common.sum_leading(gather_stacked(x, axes, n, invariant=True))
+  flat = x.reshape(-1)
+  size = flat.shape[0]
+  padded = -(-size // n) * n
+  if padded != size:
+    flat = jnp.pad(flat, (0, padded - size))
+  part = reduce_scatter_stacked(flat.reshape(n, padded // n), axes, n)
+  full = gather_stacked(part, axes, n, invariant=True).reshape(-1)
+  return full[:size].reshape(x.shape)
+
+
+def _transpose(ct, x, *, axes, axis_size, algorithm):
+  if ji.check_vma_enabled():
+    # Typed invariant, the cotangent is the same on every rank: psum is psum + pbroadcast.
+    return [jax.lax.pcast(ct, tuple(axes), to="varying")]
+  # Without types the cotangent may differ per rank: the true transpose sums it.
+  return [psum_p.bind(ct, axes=axes, axis_size=axis_size, algorithm=algorithm)]
+
+
+def _batch(args, dims, **params):
+  (x,), (d,) = args, dims
+  return psum_p.bind(x, **params), d
+
+
+psum_p.def_abstract_eval(_abstract_eval)
+ji.register_lowering(psum_p, ji.lower_fun(_impl, multiple_results=False))
+ji.deflinear2(psum_p, _transpose)
+ji.primitive_batchers[psum_p] = _batch
+
+
+def psum(x, axis_name, *, axis_index_groups=None):
+  """jax.lax.psum with copy-engine data movement. Works on pytrees."""
+  axes, n = axes_lib.check_axes(axis_name, "psum", axis_index_groups)
+
+  def one(leaf):
+    leaf = jnp.asarray(leaf)
+    axes_lib.check_dtype(leaf, "psum", summable=True)
+    if leaf.dtype == jnp.bool_:
+      leaf = leaf.astype(jnp.int32)
+    algo = choose_algorithm(leaf.size * leaf.dtype.itemsize, n)
+    return psum_p.bind(common.ensure_varying(leaf, axes), axes=axes, axis_size=n, algorithm=algo)
+
+  return jax.tree.map(one, x)

@@ -1,0 +1,82 @@
+"""psum_scatter: rank r gets the sum over ranks of everybody's r-th block.
+
+Composition (DESIGN.md): the all_to_all mover delivers the n blocks destined for me, then XLA
+sums them (a fusion; bf16/f16 accumulate in f32). `hoccl_reduce_scatter` is the stacked form
+x[n, ...] -> [...]; its own primitive so that its transpose is the all_gather mover (moving
+n times fewer bytes than transposing the all_to_all would).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import jax_internals as ji
+from jax_hoccl._src.ops import common
+from jax_hoccl._src.ops.all_to_all import exchange_stacked
+
+reduce_scatter_p = ji.Primitive("hoccl_reduce_scatter")
+
+
+def _abstract_eval(x, *, axes, axis_size):
+  vma = ji.varying_axes(x)
+  if ji.check_vma_enabled() and not set(axes) <= vma:
+    raise ValueError(f"jax_hoccl psum_scatter: input must be varying over {axes}, got {set(vma)}")
+  if not x.shape or x.shape[0] != axis_size:
+    raise ValueError(f"jax_hoccl psum_scatter: leading dim must be {axis_size}, got {x.shape}")
+  return ji.with_type(x, x.shape[1:], vma)
+
+
+def _impl(x, *, axes, axis_size):
+  return common.sum_leading(exchange_stacked(x, axes, axis_size))
+
+
+def _transpose(ct, x, *, axes, axis_size):
+  from jax_hoccl._src.ops.all_gather import gather_stacked
+  return [gather_stacked(ct, axes, axis_size)]
+
+
+def _batch(args, dims, *, axes, axis_size):
+  (x,), (d,) = args, dims
+  if d == 0:
+    x, d = jnp.moveaxis(x, 0, 1), 1
+  return reduce_scatter_p.bind(x, axes=axes, axis_size=axis_size), d - 1
+
+
+reduce_scatter_p.def_abstract_eval(_abstract_eval)
+ji.register_lowering(reduce_scatter_p, ji.lower_fun(_impl, multiple_results=False))
+ji.deflinear2(reduce_scatter_p, _transpose)
+ji.primitive_batchers[reduce_scatter_p] = _batch
+
+
+def reduce_scatter_stacked(x, axes, axis_size):
+  return reduce_scatter_p.bind(x, axes=tuple(axes), axis_size=int(axis_size))
+
+
+def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, tiled=False):
+  """jax.lax.psum_scatter with copy-engine data movement. Works on pytrees."""
+  axes, n = axes_lib.check_axes(axis_name, "psum_scatter", axis_index_groups)
+
+  def one(leaf):
+    leaf = jnp.asarray(leaf)
+    axes_lib.check_dtype(leaf, "psum_scatter", summable=True)
+    if leaf.dtype == jnp.bool_:
+      leaf = leaf.astype(jnp.int32)
+    nd = leaf.ndim
+    if nd == 0:
+      raise ValueError("jax_hoccl.psum_scatter: input must have rank >= 1.")
+    d = common.canonical_axis(scatter_dimension, nd, "psum_scatter", "scatter_dimension")
+    size = leaf.shape[d]
+    if tiled and size % n:
+      raise ValueError(f"jax_hoccl.psum_scatter: scatter_dimension {d} has size {size}, which "
+                       f"does not divide by the axis size {n} of {axes}.")
+    if not tiled and size != n:
+      raise ValueError(f"jax_hoccl.psum_scatter: with tiled=False scatter_dimension {d} must "
+                       f"have size {n} (the size of {axes}), got {size}.")
+    x = common.ensure_varying(leaf, axes)
+    shape = list(leaf.shape)
+    shape[d:d + 1] = [n, size // n]
+    y = reduce_scatter_stacked(jnp.moveaxis(x.reshape(shape), d, 0), axes, n)
+    return y if tiled else jnp.squeeze(y, axis=d)
+
+  return jax.tree.map(one, x)
