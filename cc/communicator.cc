@@ -133,6 +133,42 @@ std::string Communicator::WaitDone(uint64_t seq, int owner, int reader, const ch
   return "";
 }
 
+std::string Communicator::ExchangeSetup(const std::string& name, int rank, void* value,
+                                        std::vector<void*>* all, const char* op) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const int n = size();
+  SetupEntry& e = setup_[name];  // std::map: references stay valid while others insert
+  if (e.values.empty()) {
+    e.values.assign(n, nullptr);
+    e.published.assign(n, 0);
+  }
+  e.values[rank] = value;
+  e.published[rank] = 1;
+  cv_.notify_all();
+  auto deadline = Deadline();
+  auto missing = [&] {
+    for (int p = 0; p < n; ++p)
+      if (!e.published[p]) return true;
+    return false;
+  };
+  while (missing()) {
+    if (!broken_.empty()) return broken_;
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && missing()) {
+      std::ostringstream o;
+      o << "jax_hoccl " << op << ": " << Describe(rank) << " of group [" << key_
+        << "] timed out after " << TimeoutSeconds() << " s (JAX_HOCCL_TIMEOUT_S) in the"
+        << " one-time setup (" << name << ") waiting for missing peer(s):";
+      for (int p = 0; p < n; ++p)
+        if (!e.published[p]) o << " " << Describe(p) << ";";
+      o << " every peer must call the same collectives in the same order. This communicator"
+           " is now unusable; restart the process.";
+      return Fail(o.str());
+    }
+  }
+  *all = e.values;
+  return "";
+}
+
 void Communicator::Leave(uint64_t seq, int rank) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = slots_.find(seq);

@@ -57,6 +57,12 @@ class Communicator {
   // Error text if an earlier timeout broke this communicator, else "".
   std::string Broken();
 
+  // One-time setup exchange of one pointer per rank (e.g. the address of each rank's device
+  // flag array): publish `value` for `rank` under `name`, then wait until every rank has
+  // published under that name and fill `all` (indexed by rank). Times out like WaitArrived.
+  std::string ExchangeSetup(const std::string& name, int rank, void* value,
+                            std::vector<void*>* all, const char* op);
+
  private:
   friend size_t LiveSlotCount();
   struct Slot {
@@ -76,6 +82,11 @@ class Communicator {
   std::condition_variable cv_;
   std::vector<uint64_t> next_seq_;
   std::map<uint64_t, Slot> slots_;
+  struct SetupEntry {
+    std::vector<void*> values;
+    std::vector<char> published;
+  };
+  std::map<std::string, SetupEntry> setup_;
   std::string broken_;
 };
 

@@ -11,6 +11,11 @@ extern "C" {
 XLA_FFI_Error* kAllGatherCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteCpu(XLA_FFI_CallFrame* call_frame);
+#ifdef JAX_HOCCL_WITH_CUDA
+XLA_FFI_Error* kAllGatherCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kAllToAllCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kPermuteCuda(XLA_FFI_CallFrame* call_frame);
+#endif
 }
 
 }  // namespace hoccl

@@ -20,7 +20,8 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
     _MOVABLE.add(np.dtype(getattr(jnp, _name)))
 
 # Dtypes psum/psum_scatter add (bool is promoted to int32 first, like jax.lax.psum).
-_SUMMABLE = {d for d in _MOVABLE if d.kind in "iufc"}
+# Not `d.kind in "iufc"`: ml_dtypes' bfloat16 and most float8 types have kind "V".
+_SUMMABLE = {d for d in _MOVABLE if d != np.dtype(np.bool_) and jnp.issubdtype(d, jnp.number)}
 
 
 def normalize_axes(axis_name) -> tuple:

@@ -140,7 +140,7 @@ print(json.dumps(info))
 """
 
 def _fail(msg):
-    fail("\n%s[local_config_hoccl]%s %s\n" % ("\033[0;31m", "\033[0m", msg))
+    fail("[local_config_hoccl] %s" % msg)
 
 def _find_python(ctx, workspace):
     python = ctx.os.environ.get(_PYTHON_ENV, "").strip()
@@ -172,9 +172,9 @@ def _hoccl_configure_impl(ctx):
     if "error" in info:
         _fail("%s (Python %s): %s" % (python, info["version"], info["error"]))
 
-    # A pyenv shim or a bare `python3` is pinned to the real interpreter it ran; a venv's
-    # own bin/python is kept as is (resolving its symlink would leave the venv).
-    if not ctx.os.environ.get(_PYTHON_ENV, "").strip() and not python.startswith(str(workspace)):
+    # Pin the interpreter that actually ran (a pyenv shim resolves to the real one; a
+    # venv's bin/python stays as is: sys.executable keeps the venv path).
+    if info["executable"]:
         python = info["executable"]
 
     for sub in ["include", "src/nb_combined.cpp", "ext/robin_map/include"]:
@@ -200,7 +200,7 @@ def _hoccl_configure_impl(ctx):
         "JAX_VERSION = %r" % info["jax_version"],
         "NANOBIND_VERSION = %r" % info["nanobind_version"],
         "",
-    ]))
+    ]), executable = False)
 
 hoccl_configure = repository_rule(
     implementation = _hoccl_configure_impl,

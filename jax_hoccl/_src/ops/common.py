@@ -9,10 +9,11 @@ from jax_hoccl._src import jax_internals as ji
 
 
 def sum_leading(x):
-  """Sum over axis 0 in a fixed order. bf16/f16 accumulate in f32 and round once, so the
-  result is identical on every rank and every run (unlike per-hop rounding in a ring)."""
+  """Sum over axis 0 in a fixed order. bf16/f16 (and float8) accumulate in f32 and round
+  once, so the result is identical on every rank and every run (unlike per-hop rounding in a
+  ring)."""
   dt = np.dtype(x.dtype)
-  if dt in (np.dtype(jnp.bfloat16), np.dtype(np.float16)):
+  if jnp.issubdtype(dt, jnp.floating) and dt.itemsize < 4:
     return jnp.sum(x.astype(jnp.float32), axis=0).astype(dt)
   return jnp.sum(x, axis=0, dtype=dt)
 

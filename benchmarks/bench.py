@@ -1,0 +1,282 @@
+"""jax_hoccl vs jax.lax, side by side in one run.
+
+    python -P benchmarks/bench.py                 # all sizes, writes benchmarks/results/<date>-<machine>.json
+    python -P benchmarks/bench.py --quick         # fewer sizes (smoke test; also runs on CPU)
+
+Sections:
+  collectives  : device time per op (K dependent ops in one jitted function, so JAX's ~100 us
+                 per-call host overhead is amortised) and bus bandwidth (nccl-tests formulas),
+                 for jax_hoccl, jax.lax and, on GPU, a raw copy-engine peer copy (the ceiling).
+  interference : an 8192^3 bf16 GEMM's throughput (PyTorch, its own CUDA stream, GPU 0) while
+                 JAX runs a continuous chain of each collective, over its solo throughput.
+  fused        : fused matmul-collective ops vs their unfused jax.lax forms (when available).
+Prints a table last. Sizes are per device: all_gather's is its output (the full buffer, as
+nccl-tests count it), the others' their input.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")  # leave room for torch's GEMM
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_hoccl
+
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+SIZES = [64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB, 256 * MIB, 1 * GIB]
+OPS = ["psum", "all_gather", "psum_scatter", "all_to_all", "ppermute"]
+IMPLS = {"jax_hoccl": jax_hoccl, "jax.lax": jax.lax}
+
+
+def busbw_factor(op: str, n: int) -> float:
+  return {"psum": 2 * (n - 1) / n, "ppermute": 1.0}.get(op, (n - 1) / n)
+
+
+def ops_per_call(nbytes: int) -> int:
+  # Enough ops per jitted call that host overhead is noise, few enough to compile quickly.
+  return 100 if nbytes <= 1 * MIB else 40 if nbytes <= 16 * MIB else 20 if nbytes <= 64 * MIB \
+      else 10 if nbytes <= 256 * MIB else 5
+
+
+def chain_fn(mod, op: str, n: int, k: int):
+  """A per-device function applying `op` k times, each depending on the previous result.
+  The dependency for ops that change the shape is a one-element in-place update."""
+  perm = [(i, (i + 1) % n) for i in range(n)]
+
+  def step(x):
+    if op == "psum":
+      return mod.psum(x, "x")
+    if op == "ppermute":
+      return mod.ppermute(x, "x", perm)
+    if op == "all_gather":
+      y = mod.all_gather(x, "x", tiled=True)
+    elif op == "psum_scatter":
+      y = mod.psum_scatter(x, "x", tiled=True)
+    else:
+      y = mod.all_to_all(x, "x", 0, 0, tiled=True)
+    return x.at[0].add(y[1])
+
+  def body(x):
+    for _ in range(k):
+      x = step(x)
+    return x
+
+  return body
+
+
+def per_device_input_elems(op: str, nbytes: int, n: int, itemsize: int) -> int:
+  elems = nbytes // itemsize
+  if op == "all_gather":
+    elems //= n
+  return max(n, elems - elems % n)
+
+
+def time_call(f, x, repeats: int) -> float:
+  jax.block_until_ready(f(x))  # compile + warm up
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(x))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def bench_collectives(mesh, sizes, repeats, dtype=jnp.float32):
+  n = mesh.shape["x"]
+  rows = []
+  rng = np.random.default_rng(0)
+  for nbytes in sizes:
+    k = ops_per_call(nbytes)
+    for op in OPS:
+      elems = per_device_input_elems(op, nbytes, n, np.dtype(dtype).itemsize)
+      host = rng.standard_normal(elems * n, dtype=np.float32).astype(dtype)
+      x = jax.device_put(host, NamedSharding(mesh, P("x")))
+      for impl, mod in IMPLS.items():
+        f = jax.jit(jax.shard_map(chain_fn(mod, op, n, k), mesh=mesh, in_specs=P("x"),
+                                  out_specs=P("x")))
+        t = time_call(f, x, repeats) / k
+        rows.append(dict(op=op, impl=impl, bytes_per_device=nbytes, time_us=t * 1e6,
+                         busbw_gbps=nbytes / t * busbw_factor(op, n) / 1e9))
+        print(f"  {op:13s} {impl:10s} {fmt_bytes(nbytes):>8s} {t * 1e6:10.1f} us "
+              f"{rows[-1]['busbw_gbps']:8.1f} GB/s", flush=True)
+      del x
+  return rows
+
+
+def bench_raw_copy(sizes, repeats):
+  """cudaMemcpyPeerAsync GPU0 -> GPU1 chained on one stream: the copy-engine ceiling."""
+  import cupy as cp
+  rows = []
+  for nbytes in sizes:
+    k = ops_per_call(nbytes)
+    with cp.cuda.Device(1):
+      dst = cp.empty(nbytes, cp.uint8)
+    with cp.cuda.Device(0):
+      src = cp.empty(nbytes, cp.uint8)
+      stream = cp.cuda.Stream(non_blocking=True)
+      start, stop = cp.cuda.Event(), cp.cuda.Event()
+      times = []
+      for _ in range(repeats + 1):
+        start.record(stream)
+        for _ in range(k):
+          cp.cuda.runtime.memcpyPeerAsync(dst.data.ptr, 1, src.data.ptr, 0, nbytes, stream.ptr)
+        stop.record(stream)
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3 / k)
+      t = float(np.median(times[1:]))
+    rows.append(dict(op="copy", impl="copy_engine_raw", bytes_per_device=nbytes,
+                     time_us=t * 1e6, busbw_gbps=nbytes / t / 1e9))
+    print(f"  {'copy':13s} {'raw CE':10s} {fmt_bytes(nbytes):>8s} {t * 1e6:10.1f} us "
+          f"{rows[-1]['busbw_gbps']:8.1f} GB/s", flush=True)
+    del src, dst
+  return rows
+
+
+def bench_interference(mesh, nbytes=256 * MIB, gemm_n=8192, gemms=30):
+  """GEMM TFLOP/s beside a continuous chain of each collective, over solo TFLOP/s."""
+  import torch
+  n = mesh.shape["x"]
+  dev = torch.device("cuda:0")
+  a = torch.randn(gemm_n, gemm_n, device=dev, dtype=torch.bfloat16)
+  b = torch.randn(gemm_n, gemm_n, device=dev, dtype=torch.bfloat16)
+  stream = torch.cuda.Stream(device=dev)
+
+  def gemm_loop():
+    with torch.cuda.stream(stream):
+      e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+      e0.record(stream)
+      for _ in range(gemms):
+        torch.mm(a, b)
+      e1.record(stream)
+    e1.synchronize()
+    return 2 * gemm_n ** 3 * gemms / (e0.elapsed_time(e1) / 1e3) / 1e12
+
+  gemm_loop()
+  solo = float(np.median([gemm_loop() for _ in range(3)]))
+  gemm_s = 2 * gemm_n ** 3 * gemms / (solo * 1e12)
+  rows = []
+  rng = np.random.default_rng(1)
+  for op in OPS:
+    elems = per_device_input_elems(op, nbytes, n, 4)
+    x = jax.device_put(rng.standard_normal(elems * n, dtype=np.float32), NamedSharding(mesh, P("x")))
+    for impl, mod in IMPLS.items():
+      f1 = jax.jit(jax.shard_map(chain_fn(mod, op, n, 4), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+      t_op = time_call(f1, x, 2) / 4
+      k = int(min(400, max(8, 2.0 * gemm_s / t_op)))  # chain outlasts the GEMM loop
+      f = jax.jit(jax.shard_map(chain_fn(mod, op, n, k), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+      jax.block_until_ready(f(x))
+      torch.cuda.synchronize()
+      y = f(x)           # async dispatch: the chain runs while the GEMMs run
+      time.sleep(0.002)  # let the chain start first
+      tflops = gemm_loop()
+      jax.block_until_ready(y)
+      rows.append(dict(op=op, impl=impl, gemm_ratio=tflops / solo, gemm_tflops=tflops,
+                       solo_tflops=solo))
+      print(f"  GEMM beside {op:13s} {impl:10s} {tflops:7.1f} / {solo:7.1f} TFLOP/s = "
+            f"{tflops / solo:.3f}", flush=True)
+    del x
+  return rows
+
+
+def fmt_bytes(b: int) -> str:
+  return f"{b // GIB} GiB" if b >= GIB else f"{b // MIB} MiB" if b >= MIB else f"{b // KIB} KiB"
+
+
+def machine_name() -> str:
+  d = jax.devices()[0]
+  kind = getattr(d, "device_kind", d.platform).replace(" ", "-")
+  return f"{len(jax.devices())}x{kind}"
+
+
+def summary_table(result) -> str:
+  lines = ["op            size     hoccl_us    lax_us  hoccl/lax_bw  hoccl/raw_bw"]
+  raw = {r["bytes_per_device"]: r for r in result["collectives"] if r["impl"] == "copy_engine_raw"}
+  by = {(r["op"], r["impl"], r["bytes_per_device"]): r for r in result["collectives"]}
+  for op in OPS:
+    for nbytes in sorted({r["bytes_per_device"] for r in result["collectives"]}):
+      h, l = by.get((op, "jax_hoccl", nbytes)), by.get((op, "jax.lax", nbytes))
+      if not h or not l:
+        continue
+      rr = raw.get(nbytes)
+      ratio_raw = f"{h['busbw_gbps'] / rr['busbw_gbps']:.2f}" if rr else "-"
+      lines.append(f"{op:13s} {fmt_bytes(nbytes):>7s} {h['time_us']:10.1f} {l['time_us']:9.1f} "
+                   f"{h['busbw_gbps'] / l['busbw_gbps']:13.2f} {ratio_raw:>13s}")
+  if result.get("interference"):
+    lines.append("GEMM ratio beside op:  " + "  ".join(
+        f"{r['op']}/{'hoccl' if r['impl'] == 'jax_hoccl' else 'lax'}={r['gemm_ratio']:.3f}"
+        for r in result["interference"]))
+  for r in result.get("fused", []):
+    lines.append(f"fused {r['op']:22s} {r['impl']:28s} {r['shape']:24s} {r['time_ms']:8.3f} ms "
+                 f"(GEMM only {r['gemm_only_ms']:.3f} ms, x{r['time_ms'] / r['gemm_only_ms']:.2f})")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true", help="64 KiB and 1 MiB only, no interference")
+  ap.add_argument("--sizes", type=str, default="", help="comma-separated MiB values (float)")
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--no-interference", action="store_true")
+  ap.add_argument("--no-fused", action="store_true")
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  args = ap.parse_args(argv)
+
+  devices = jax.devices()
+  on_gpu = devices[0].platform == "gpu"
+  mesh = jax.make_mesh((len(devices),), ("x",))
+  sizes = [64 * KIB, 1 * MIB] if args.quick else SIZES
+  if args.sizes:
+    sizes = [int(float(s) * MIB) for s in args.sizes.split(",")]
+  print(f"jax_hoccl benchmark: {len(devices)} x {devices[0].device_kind}, jax {jax.__version__}",
+        flush=True)
+  result = dict(
+      machine=f"{socket.gethostname()} ({machine_name()})", gpus=len(devices) if on_gpu else 0,
+      devices=[str(d.device_kind) for d in devices], jax=jax.__version__,
+      date=datetime.date.today().isoformat(), commit=git_commit(), python=platform.python_version(),
+      collectives=[], interference=[], fused=[])
+  print("== collectives", flush=True)
+  result["collectives"] = bench_collectives(mesh, sizes, args.repeats)
+  if on_gpu and len(devices) >= 2:
+    result["collectives"] += bench_raw_copy(sizes, args.repeats)
+    if not args.quick and not args.no_interference:
+      print("== interference", flush=True)
+      result["interference"] = bench_interference(mesh)
+  if not args.no_fused:
+    try:
+      from benchmarks_fused import bench_fused  # noqa: F401  (added with the fused ops)
+    except ImportError:
+      bench_fused = None
+    if bench_fused is not None:
+      print("== fused", flush=True)
+      result["fused"] = bench_fused(mesh, quick=args.quick or not on_gpu)
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, f"{result['date']}-{machine_name()}.json")
+  with open(path, "w") as f:
+    json.dump(result, f, indent=1)
+  print(f"wrote {path}")
+  print(summary_table(result))
+
+
+def git_commit() -> str:
+  try:
+    return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                   cwd=os.path.dirname(os.path.abspath(__file__))).strip()
+  except Exception:
+    return os.environ.get("JAX_HOCCL_COMMIT", "unknown")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,478 @@
+#include "cuda_executor.h"
+
+#include <cuda.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <utility>
+
+#include "driver_api.h"
+
+namespace hoccl {
+
+// ---------------------------------------------------------------- options
+
+size_t BlockBytes(const OpSpec& spec) {
+  if (spec.op == OpKind::kAllToAll) return spec.group_size > 0 ? spec.bytes / spec.group_size : 0;
+  return spec.bytes;
+}
+
+namespace {
+
+// A positive integer from the environment, or `fallback`.
+long long EnvInt(const char* name, long long fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  long long x = std::strtoll(v, &end, 10);
+  return (end && *end == '\0' && x > 0) ? x : fallback;
+}
+
+bool BatchMemOpsEnabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("JAX_HOCCL_BATCH_MEMOPS");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return enabled;
+}
+
+}  // namespace
+
+PlanOptions ChooseCudaPlanOptions(const OpSpec& spec) {
+  PlanOptions o;
+  const size_t threshold =
+      static_cast<size_t>(EnvInt("JAX_HOCCL_MULTISTREAM_MIN_BYTES", kMultiStreamMinBytes));
+  if (BlockBytes(spec) >= threshold) {
+    o.chunks = 1;
+    o.channels = kLargeMessageChannels;
+  }
+  o.chunks = static_cast<int>(std::min<long long>(EnvInt("JAX_HOCCL_CHUNKS", o.chunks), 64));
+  o.channels = static_cast<int>(std::min<long long>(EnvInt("JAX_HOCCL_CHANNELS", o.channels), 64));
+  return o;
+}
+
+// ---------------------------------------------------------------- transport
+
+std::string DirectTransport::ExchangeFlags(int rank, uint64_t* my_flags,
+                                           std::vector<uint64_t*>* all, const char* op) {
+  std::vector<void*> values;
+  std::string err = comm_.ExchangeSetup("cuda_flags", rank, my_flags, &values, op);
+  if (!err.empty()) return err;
+  all->resize(values.size());
+  for (size_t i = 0; i < values.size(); ++i) (*all)[i] = static_cast<uint64_t*>(values[i]);
+  return "";
+}
+
+std::string DirectTransport::ExchangeBuffers(uint64_t seq, int rank, const void* input,
+                                             void* output, const std::vector<int>& peers,
+                                             std::vector<const void*>* inputs, const char* op) {
+  comm_.Arrive(seq, rank, input, output);
+  for (int p : peers) {
+    std::string err = comm_.WaitArrived(seq, rank, p, op);
+    if (!err.empty()) return err;
+    (*inputs)[p] = comm_.Input(seq, p);
+  }
+  return "";
+}
+
+void DirectTransport::Release(uint64_t seq, int rank) { comm_.Leave(seq, rank); }
+
+// ---------------------------------------------------------------- helpers
+
+namespace {
+
+std::string Prefix(const OpSpec& spec, int device) {
+  std::ostringstream o;
+  o << "jax_hoccl " << OpName(spec.op) << " (rank " << spec.rank << ", CUDA device " << device
+    << "): ";
+  return o.str();
+}
+
+std::string CudaError(const char* call, cudaError_t e) {
+  std::ostringstream o;
+  o << call << " failed: " << cudaGetErrorName(e) << ": " << cudaGetErrorString(e);
+  return o.str();
+}
+
+#define HOCCL_CUDA_RETURN(call)                                  \
+  do {                                                           \
+    cudaError_t hoccl_e_ = (call);                               \
+    if (hoccl_e_ != cudaSuccess) return CudaError(#call, hoccl_e_); \
+  } while (0)
+
+CUdeviceptr DevPtr(const uint64_t* p) {
+  return static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(p));
+}
+
+// Consecutive stream memory operations on one stream, sent as one cuStreamBatchMemOp.
+class MemOps {
+ public:
+  MemOps(const DriverApi& api, cudaStream_t stream) : api_(api), stream_(stream) {}
+
+  void Write(uint64_t* addr, uint64_t value) {
+    CUstreamBatchMemOpParams p;
+    std::memset(&p, 0, sizeof(p));
+    p.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+    p.writeValue.address = DevPtr(addr);
+    p.writeValue.value64 = value;
+    p.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;  // fenced after earlier work
+    ops_.push_back(p);
+  }
+  void Wait(uint64_t* addr, uint64_t value) {
+    CUstreamBatchMemOpParams p;
+    std::memset(&p, 0, sizeof(p));
+    p.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+    p.waitValue.address = DevPtr(addr);
+    p.waitValue.value64 = value;
+    p.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+    ops_.push_back(p);
+  }
+
+  std::string Flush() {
+    std::string err;
+    CUstream s = reinterpret_cast<CUstream>(stream_);
+    if (ops_.size() > 1 && api_.batch_mem_op && BatchMemOpsEnabled()) {
+      constexpr size_t kMaxBatch = 256;  // cuStreamBatchMemOp's limit per call
+      for (size_t i = 0; i < ops_.size() && err.empty(); i += kMaxBatch) {
+        unsigned count = static_cast<unsigned>(std::min(kMaxBatch, ops_.size() - i));
+        CUresult r = api_.batch_mem_op(s, count, ops_.data() + i, 0);
+        if (r != CUDA_SUCCESS) err = api_.Describe("cuStreamBatchMemOp", r);
+      }
+    } else {
+      for (const CUstreamBatchMemOpParams& p : ops_) {
+        CUresult r;
+        if (p.operation == CU_STREAM_MEM_OP_WRITE_VALUE_64) {
+          r = api_.write_value64(s, p.writeValue.address, p.writeValue.value64, p.writeValue.flags);
+          if (r != CUDA_SUCCESS) { err = api_.Describe("cuStreamWriteValue64", r); break; }
+        } else {
+          r = api_.wait_value64(s, p.waitValue.address, p.waitValue.value64, p.waitValue.flags);
+          if (r != CUDA_SUCCESS) { err = api_.Describe("cuStreamWaitValue64", r); break; }
+        }
+      }
+    }
+    ops_.clear();
+    return err;
+  }
+
+ private:
+  const DriverApi& api_;
+  cudaStream_t stream_;
+  std::vector<CUstreamBatchMemOpParams> ops_;
+};
+
+// ---------------------------------------------------------------- per-device resources
+
+// Side streams and events of one device, created once and reused by every call (the
+// fork/join pattern makes reuse safe: a wait captures an event's state when enqueued).
+struct DeviceResources {
+  std::mutex mu;  // held while a call enqueues on the side streams
+  bool initialized = false;
+  cudaStream_t side[kMaxSideStreams] = {};
+  cudaEvent_t fork = nullptr;
+  cudaEvent_t join[kMaxSideStreams] = {};
+};
+
+DeviceResources& ResourcesFor(int device) {
+  static std::mutex mu;
+  static auto* all = new std::map<int, std::unique_ptr<DeviceResources>>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto& r = (*all)[device];
+  if (!r) r = std::make_unique<DeviceResources>();
+  return *r;
+}
+
+std::string InitResources(DeviceResources& r) {  // requires r.mu; current device set
+  if (r.initialized) return "";
+  for (int i = 0; i < kMaxSideStreams; ++i)
+    HOCCL_CUDA_RETURN(cudaStreamCreateWithFlags(&r.side[i], cudaStreamNonBlocking));
+  HOCCL_CUDA_RETURN(cudaEventCreateWithFlags(&r.fork, cudaEventDisableTiming));
+  for (int i = 0; i < kMaxSideStreams; ++i)
+    HOCCL_CUDA_RETURN(cudaEventCreateWithFlags(&r.join[i], cudaEventDisableTiming));
+  r.initialized = true;
+  return "";
+}
+
+// ---------------------------------------------------------------- per-(communicator, rank)
+
+struct RankState {
+  std::mutex mu;
+  bool ready = false;
+  std::string setup_error;              // a failed setup is final
+  uint64_t* flags = nullptr;            // mine: [ready_from[n], done_from[n]]
+  std::vector<uint64_t*> peer_flags;    // every rank's flag array, by rank
+};
+
+RankState& RankStateFor(const Communicator* comm, int rank) {
+  static std::mutex mu;
+  static auto* all = new std::map<std::pair<const Communicator*, int>, std::unique_ptr<RankState>>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto& s = (*all)[{comm, rank}];
+  if (!s) s = std::make_unique<RankState>();
+  return *s;
+}
+
+// Turns on peer access from `device` (current) to `peer`; XLA usually did already.
+std::string EnablePeerAccess(int device, int peer) {
+  static std::mutex mu;
+  static auto* done = new std::set<std::pair<int, int>>();
+  std::lock_guard<std::mutex> lock(mu);
+  if (device == peer || done->count({device, peer})) return "";
+  int can = 0;
+  HOCCL_CUDA_RETURN(cudaDeviceCanAccessPeer(&can, device, peer));
+  if (!can) {
+    std::ostringstream o;
+    o << "CUDA device " << device << " cannot access device " << peer
+      << " as a peer (no NVLink/PCIe P2P); the copy-engine collectives need peer access";
+    return o.str();
+  }
+  cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+  if (e == cudaErrorPeerAccessAlreadyEnabled) {
+    cudaGetLastError();  // clear it
+  } else if (e != cudaSuccess) {
+    return CudaError("cudaDeviceEnablePeerAccess", e);
+  }
+  done->insert({device, peer});
+  return "";
+}
+
+std::string SetupRank(RankState& st, PeerTransport& transport, const OpSpec& spec, int device,
+                      cudaStream_t stream) {
+  const int n = spec.group_size;
+  const char* op = OpName(spec.op);
+  std::string err;
+  // Allocate and zero my flags before anyone can learn their address.
+  size_t bytes = (2 * static_cast<size_t>(n) * sizeof(uint64_t) + 255) / 256 * 256;
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, bytes);
+  if (e != cudaSuccess) err = CudaError("cudaMalloc(flags)", e);
+  if (err.empty()) {
+    e = cudaMemsetAsync(p, 0, bytes, stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+    if (e != cudaSuccess) err = CudaError("cudaMemsetAsync/cudaStreamSynchronize(flags)", e);
+  }
+  // Publish even on failure (as null) so peers fail fast instead of timing out.
+  std::vector<uint64_t*> all;
+  std::string xerr = transport.ExchangeFlags(spec.rank, err.empty() ? static_cast<uint64_t*>(p) : nullptr,
+                                             &all, op);
+  if (!err.empty()) return err;
+  if (!xerr.empty()) return xerr;
+  for (int q = 0; q < n; ++q) {
+    if (!all[q]) {
+      std::ostringstream o;
+      o << "rank " << q << " of the group failed its one-time setup (see its error)";
+      return o.str();
+    }
+    if (q == spec.rank) continue;
+    cudaPointerAttributes attr;
+    HOCCL_CUDA_RETURN(cudaPointerGetAttributes(&attr, all[q]));
+    err = EnablePeerAccess(device, attr.device);
+    if (!err.empty()) return err;
+  }
+  st.flags = static_cast<uint64_t*>(p);
+  st.peer_flags = std::move(all);
+  return "";
+}
+
+// ---------------------------------------------------------------- enqueueing
+
+struct CallContext {
+  const DriverApi& api;
+  const OpSpec& spec;
+  const std::vector<Step>& steps;
+  cudaStream_t stream;  // XLA's
+  const std::vector<const void*>& inputs;  // by rank
+  void* output;
+  const RankState& st;
+  uint64_t value;  // flag value of this call (sequence + 1)
+};
+
+uint64_t* ReadyFlagAt(const CallContext& c, int reader) {  // in reader's array: ready_from[me]
+  return c.st.peer_flags[reader] + c.spec.rank;
+}
+uint64_t* DoneFlagAt(const CallContext& c, int owner) {  // in owner's array: done_from[me]
+  return c.st.peer_flags[owner] + c.spec.group_size + c.spec.rank;
+}
+uint64_t* MyReadyFrom(const CallContext& c, int owner) { return c.st.flags + owner; }
+uint64_t* MyDoneFrom(const CallContext& c, int reader) {
+  return c.st.flags + c.spec.group_size + reader;
+}
+
+std::string Copy(const CallContext& c, const Step& s, cudaStream_t stream) {
+  const char* src = static_cast<const char*>(c.inputs[s.peer]) + s.src_offset;
+  char* dst = static_cast<char*>(c.output) + s.dst_offset;
+  cudaMemcpyKind kind = s.peer == c.spec.rank ? cudaMemcpyDeviceToDevice : cudaMemcpyDefault;
+  HOCCL_CUDA_RETURN(cudaMemcpyAsync(dst, src, s.bytes, kind, stream));
+  return "";
+}
+
+std::string Zero(const CallContext& c, const Step& s, cudaStream_t stream) {
+  HOCCL_CUDA_RETURN(
+      cudaMemsetAsync(static_cast<char*>(c.output) + s.dst_offset, 0, s.bytes, stream));
+  return "";
+}
+
+// Everything on XLA's stream, in plan order; consecutive flag operations are batched.
+std::string EnqueueSingleStream(const CallContext& c) {
+  MemOps ops(c.api, c.stream);
+  std::string err;
+  for (const Step& s : c.steps) {
+    switch (s.kind) {
+      case StepKind::kSignalReady: ops.Write(ReadyFlagAt(c, s.peer), c.value); break;
+      case StepKind::kWaitReady: ops.Wait(MyReadyFrom(c, s.peer), c.value); break;
+      case StepKind::kSignalDone: ops.Write(DoneFlagAt(c, s.peer), c.value); break;
+      case StepKind::kWaitDone: ops.Wait(MyDoneFrom(c, s.peer), c.value); break;
+      case StepKind::kCopy:
+        err = ops.Flush();
+        if (err.empty()) err = Copy(c, s, c.stream);
+        break;
+      case StepKind::kZero:
+        err = ops.Flush();
+        if (err.empty()) err = Zero(c, s, c.stream);
+        break;
+    }
+    if (!err.empty()) return err;
+  }
+  return ops.Flush();
+}
+
+// Signals on XLA's stream, then copies forked by channel (channel 0 stays on XLA's stream,
+// channel c >= 1 goes to side stream (c-1) % kMaxSideStreams, each waiting for a peer's ready
+// flag before its first copy from that peer), joined back, then done signals and waits.
+std::string EnqueueMultiStream(const CallContext& c, DeviceResources& res) {
+  const int n = c.spec.group_size, r = c.spec.rank;
+  auto stream_index = [](int channel) { return channel == 0 ? 0 : 1 + (channel - 1) % kMaxSideStreams; };
+  cudaStream_t streams[1 + kMaxSideStreams] = {c.stream};
+  for (int i = 0; i < kMaxSideStreams; ++i) streams[1 + i] = res.side[i];
+  bool used[1 + kMaxSideStreams] = {};
+  for (const Step& s : c.steps)
+    if (s.kind == StepKind::kCopy) used[stream_index(s.channel)] = true;
+
+  std::string err;
+  MemOps xla_ops(c.api, c.stream);
+  for (const Step& s : c.steps)
+    if (s.kind == StepKind::kSignalReady) xla_ops.Write(ReadyFlagAt(c, s.peer), c.value);
+  if (!(err = xla_ops.Flush()).empty()) return err;
+
+  // Fork: side streams start after everything XLA enqueued before us (our output may be
+  // memory XLA just released on its stream; the local copy reads our input).
+  HOCCL_CUDA_RETURN(cudaEventRecord(res.fork, c.stream));
+  for (int i = 1; i <= kMaxSideStreams; ++i)
+    if (used[i]) HOCCL_CUDA_RETURN(cudaStreamWaitEvent(streams[i], res.fork, 0));
+
+  std::vector<char> waited(static_cast<size_t>(1 + kMaxSideStreams) * n, 0);
+  for (const Step& s : c.steps) {
+    if (s.kind == StepKind::kCopy) {
+      int si = stream_index(s.channel);
+      char& w = waited[static_cast<size_t>(si) * n + s.peer];
+      if (s.peer != r && !w) {
+        MemOps wait(c.api, streams[si]);
+        wait.Wait(MyReadyFrom(c, s.peer), c.value);
+        if (!(err = wait.Flush()).empty()) return err;
+        w = 1;
+      }
+      if (!(err = Copy(c, s, streams[si])).empty()) return err;
+    } else if (s.kind == StepKind::kZero) {
+      if (!(err = Zero(c, s, c.stream)).empty()) return err;
+    }
+  }
+
+  // Join.
+  for (int i = 1; i <= kMaxSideStreams; ++i) {
+    if (!used[i]) continue;
+    HOCCL_CUDA_RETURN(cudaEventRecord(res.join[i - 1], streams[i]));
+    HOCCL_CUDA_RETURN(cudaStreamWaitEvent(c.stream, res.join[i - 1], 0));
+  }
+  // Everything I read is copied: tell the owners; then wait until my readers are done with
+  // my input, so XLA may reuse it once this op completes on its stream.
+  for (const Step& s : c.steps)
+    if (s.kind == StepKind::kSignalDone) xla_ops.Write(DoneFlagAt(c, s.peer), c.value);
+  for (const Step& s : c.steps)
+    if (s.kind == StepKind::kWaitDone) xla_ops.Wait(MyDoneFrom(c, s.peer), c.value);
+  return xla_ops.Flush();
+}
+
+std::string CurrentDevice(cudaStream_t stream, int* device) {
+#if CUDART_VERSION >= 12080
+  HOCCL_CUDA_RETURN(cudaStreamGetDevice(stream, device));
+  int current = -1;
+  HOCCL_CUDA_RETURN(cudaGetDevice(&current));
+  if (current != *device) HOCCL_CUDA_RETURN(cudaSetDevice(*device));
+#else
+  (void)stream;
+  HOCCL_CUDA_RETURN(cudaGetDevice(device));
+#endif
+  return "";
+}
+
+}  // namespace
+
+ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream,
+                     const void* input, void* output) {
+  const char* op = OpName(spec.op);
+  std::string err = comm.Broken();
+  if (!err.empty()) return {ErrorKind::kDeadline, err};
+  err = ValidateSpec(spec);
+  if (!err.empty()) return {ErrorKind::kInvalidArgument, std::string("jax_hoccl ") + op + ": " + err};
+  const DriverApi& api = GetDriverApi();
+  if (!api.error.empty()) return {ErrorKind::kUnavailable, std::string("jax_hoccl ") + op + ": " + api.error};
+
+  int device = -1;
+  err = CurrentDevice(stream, &device);
+  if (!err.empty()) return {ErrorKind::kInternal, std::string("jax_hoccl ") + op + ": " + err};
+  const std::string prefix = Prefix(spec, device);
+  DirectTransport transport(comm);
+
+  RankState& st = RankStateFor(&comm, spec.rank);
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    if (!st.ready && st.setup_error.empty()) {
+      err = SetupRank(st, transport, spec, device, stream);
+      if (err.empty()) st.ready = true; else st.setup_error = err;
+    }
+    if (!st.ready) {
+      ErrorKind k = comm.Broken().empty() ? ErrorKind::kInternal : ErrorKind::kDeadline;
+      return {k, prefix + st.setup_error};
+    }
+  }
+
+  const int n = spec.group_size, r = spec.rank;
+  const std::vector<Step> steps = MakePlan(spec, ChooseCudaPlanOptions(spec));
+  std::vector<char> involved(n, 0);
+  bool multi = false;
+  for (const Step& s : steps) {
+    if (s.peer != r && s.kind != StepKind::kZero) involved[s.peer] = 1;
+    if (s.kind == StepKind::kCopy && s.channel != 0) multi = true;
+  }
+  std::vector<int> peers;
+  for (int k = 1; k < n; ++k)  // rotated, like the plan
+    if (involved[(r + k) % n]) peers.push_back((r + k) % n);
+
+  // Host rendezvous with every peer involved *before* enqueueing anything: a peer that never
+  // comes is reported here (JAX_HOCCL_TIMEOUT_S) instead of hanging a device-side wait.
+  const uint64_t seq = comm.NextSeq(r);
+  std::vector<const void*> inputs(n, nullptr);
+  inputs[r] = input;
+  err = transport.ExchangeBuffers(seq, r, input, output, peers, &inputs, op);
+  if (!err.empty()) return {ErrorKind::kDeadline, err};
+
+  CallContext ctx{api, spec, steps, stream, inputs, output, st, seq + 1};
+  if (multi) {
+    DeviceResources& res = ResourcesFor(device);
+    std::lock_guard<std::mutex> lock(res.mu);
+    err = InitResources(res);
+    if (err.empty()) err = EnqueueMultiStream(ctx, res);
+  } else {
+    err = EnqueueSingleStream(ctx);
+  }
+  transport.Release(seq, r);
+  if (!err.empty()) return {ErrorKind::kInternal, prefix + err};
+  return ExecStatus::Ok();
+}
+
+}  // namespace hoccl

@@ -1,0 +1,98 @@
+// The CUDA executor: runs one rank's plan (plan.h) on the GPU with no kernel of ours.
+//   data  : cudaMemcpyAsync pulls from the peer's XLA input into my XLA output (UVA peer
+//           pointers, copy engines), cudaMemsetAsync for ppermute ranks nobody sends to;
+//   sync  : stream memory operations (cuStreamWriteValue64 / cuStreamWaitValue64, batched with
+//           cuStreamBatchMemOp when available) on a small per-(communicator, rank) flag array;
+//   order : everything is enqueued on XLA's stream, or forked from it onto per-device side
+//           streams and joined back before the handler returns.
+//
+// "Direct" mode (one process driving all local GPUs): the per-device handlers meet in the
+// communicator's host rendezvous, which swaps this call's buffer addresses. The exchange of
+// flag arrays and buffers goes through PeerTransport so a multi-process transport (IPC
+// handles + staging buffers) can replace it later.
+//
+// Flags of rank r (uint64, n = group size, on r's device), values are call sequence + 1 and
+// only ever grow, so nothing is reset:
+//   flags[p]      ready_from[p]: owner p's input for this call may be read (written by p)
+//   flags[n + p]  done_from[p] : reader p finished reading my input (written by p)
+#ifndef JAX_HOCCL_CUDA_EXECUTOR_H_
+#define JAX_HOCCL_CUDA_EXECUTOR_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "communicator.h"
+#include "plan.h"
+
+namespace hoccl {
+
+// A per-peer block of at least this many bytes forks the copies onto side streams (copies of
+// different channels then run on different copy engines); smaller ones run entirely on XLA's
+// stream, avoiding the fork/join events. Env JAX_HOCCL_MULTISTREAM_MIN_BYTES overrides.
+constexpr size_t kMultiStreamMinBytes = size_t{1} << 20;
+// Side streams per device (H200: 3 async copy engines). Channel 0 runs on XLA's stream,
+// channel c >= 1 on side stream (c - 1) % kMaxSideStreams.
+constexpr int kMaxSideStreams = 3;
+// Default number of channels for large messages (capped by the number of copies a rank does).
+constexpr int kLargeMessageChannels = 3;
+
+enum class ErrorKind { kNone, kInvalidArgument, kDeadline, kInternal, kUnavailable };
+
+struct ExecStatus {
+  ErrorKind kind = ErrorKind::kNone;
+  std::string message;
+  bool ok() const { return kind == ErrorKind::kNone; }
+  static ExecStatus Ok() { return {}; }
+};
+
+// Bytes of one peer's block (what one copy moves without chunking).
+size_t BlockBytes(const OpSpec& spec);
+
+// Chunks/channels for `spec` on the GPU: 1 chunk on 1 channel below kMultiStreamMinBytes,
+// else 1 chunk per peer spread over kLargeMessageChannels channels; env JAX_HOCCL_CHUNKS and
+// JAX_HOCCL_CHANNELS override either (read at every call).
+PlanOptions ChooseCudaPlanOptions(const OpSpec& spec);
+
+// How a rank learns its peers' memory. Direct mode: same-process pointers through the
+// communicator's host rendezvous. A multi-process transport would open IPC handles instead.
+class PeerTransport {
+ public:
+  virtual ~PeerTransport() = default;
+  // One-time: publish my flag array, learn every rank's (indexed by rank, mine included).
+  virtual std::string ExchangeFlags(int rank, uint64_t* my_flags, std::vector<uint64_t*>* all,
+                                    const char* op) = 0;
+  // Per call: publish my buffers for `seq`, wait until every rank in `peers` published, and
+  // return their input addresses in (*inputs)[peer] (valid until Release).
+  virtual std::string ExchangeBuffers(uint64_t seq, int rank, const void* input, void* output,
+                                      const std::vector<int>& peers,
+                                      std::vector<const void*>* inputs, const char* op) = 0;
+  virtual void Release(uint64_t seq, int rank) = 0;
+};
+
+// Direct mode over the host communicator.
+class DirectTransport : public PeerTransport {
+ public:
+  explicit DirectTransport(Communicator& comm) : comm_(comm) {}
+  std::string ExchangeFlags(int rank, uint64_t* my_flags, std::vector<uint64_t*>* all,
+                            const char* op) override;
+  std::string ExchangeBuffers(uint64_t seq, int rank, const void* input, void* output,
+                              const std::vector<int>& peers, std::vector<const void*>* inputs,
+                              const char* op) override;
+  void Release(uint64_t seq, int rank) override;
+
+ private:
+  Communicator& comm_;
+};
+
+// Enqueues `spec` for spec.rank on `stream` (XLA's stream of the current device). Returns once
+// everything is enqueued; by then the host rendezvous with every involved peer has happened.
+ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream,
+                     const void* input, void* output);
+
+}  // namespace hoccl
+
+#endif  // JAX_HOCCL_CUDA_EXECUTOR_H_

@@ -1,0 +1,361 @@
+"""Train a small data x tensor-parallel transformer with jax_hoccl collectives.
+
+What it shows
+  * A decoder-only transformer (token + position embedding, pre-norm attention + MLP blocks)
+    sharded over a ('dp', 'tp') mesh inside one `jax.jit(jax.shard_map(...))` train step.
+  * Megatron-style sequence parallelism over 'tp': between blocks the residual stream is
+    sharded along the sequence; each block all_gathers it over 'tp' before its
+    column-parallel matmul and psum_scatters after its row-parallel matmul (`ag_matmul` /
+    `matmul_rs` below: the two call sites a fused op would replace).
+  * Data parallelism over 'dp' with replicated parameters whose gradients are summed
+    explicitly with `C.psum` inside the shard_map (no collective is left implicit).
+  * Every collective goes through one module `C`: `jax_hoccl` (default) or `jax.lax`, with
+    identical call sites. With --check (the default) the script trains the model with both,
+    from the same init on the same data, and checks that the loss curves and the final
+    parameters agree (float32, rtol 1e-4); it prints MATCH or exits non-zero.
+
+The task: next-token prediction on arithmetic sequences x[t+1] = (x[t] + k) mod V, with a
+random start and a random stride k per sequence (fixed-seed generator). The stride is not
+given: the model has to read it off the previous tokens through attention, so the loss can
+only fall well below log(V) if attention and the MLPs learn (the script asserts it halves).
+
+Run (CPU: 8 virtual devices, a 4x2 mesh; 2 GPUs: a 1x2 mesh):
+    python examples/train_transformer.py                    # hoccl, checked against lax
+    python examples/train_transformer.py --impl lax --no-check --steps 500
+    python examples/train_transformer.py --dp 2 --tp 4
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import os
+import sys
+import time
+from typing import Callable, NamedTuple
+
+
+def _gpu_available() -> bool:
+  """Decided before importing jax (the CPU device count must be set before jax starts)."""
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if platforms:
+    return any(p in platforms for p in ("cuda", "gpu"))
+  has_plugin = any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+  return has_plugin and bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+if not _gpu_available():
+  # 8 virtual CPU devices so the dp x tp mesh is real; PJRT_NPROC lets XLA:CPU run 8 devices
+  # (whose collectives wait on each other) on a machine with fewer cores.
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+  os.environ.setdefault("PJRT_NPROC", "16")
+
+import numpy as np  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jax_hoccl  # noqa: E402
+
+DP, TP = "dp", "tp"
+
+
+class Config(NamedTuple):
+  vocab: int = 32
+  seq: int = 32
+  batch: int = 16  # global
+  d_model: int = 64
+  heads: int = 4
+  d_ff: int = 256
+  layers: int = 2
+  max_stride: int = 6
+  lr: float = 3e-3
+  warmup: int = 20
+
+
+# ---------------------------------------------------------------------------------------
+# Data: a fixed-seed generator, so both implementations see exactly the same batches.
+# ---------------------------------------------------------------------------------------
+
+def make_batches(cfg: Config, steps: int, seed: int = 0) -> np.ndarray:
+  """int32 [steps, seq + 1, batch]: column b is x[t] = (x0 + k*t) mod V (sequence-major,
+  the layout the model uses)."""
+  rng = np.random.default_rng(seed)
+  x0 = rng.integers(0, cfg.vocab, size=(steps, 1, cfg.batch))
+  k = rng.integers(1, cfg.max_stride + 1, size=(steps, 1, cfg.batch))
+  t = np.arange(cfg.seq + 1)[None, :, None]
+  return ((x0 + k * t) % cfg.vocab).astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------------
+# Parameters: global shapes and how each is sharded over the mesh.
+# ---------------------------------------------------------------------------------------
+
+def param_specs(cfg: Config) -> dict:
+  """Column-parallel weights are split over 'tp' on their output dim, row-parallel ones on
+  their input dim; everything else is replicated. Nothing is split over 'dp'."""
+  layer = {
+      "ln1": P(), "wqkv": P(None, TP), "wo": P(TP, None),   # attention
+      "ln2": P(), "w1": P(None, TP), "w2": P(TP, None),     # MLP
+  }
+  return {"embed": P(), "pos": P(TP, None), "layers": [layer] * cfg.layers,
+          "ln_f": P(), "head": P()}
+
+
+def init_params(cfg: Config, key) -> dict:
+  """Global (unsharded) float32 parameters. wqkv's columns are ordered [head, q|k|v, d_head]
+  so that a 'tp' shard holds whole heads."""
+  d, f, dh = cfg.d_model, cfg.d_ff, cfg.d_model // cfg.heads
+  keys = iter(jax.random.split(key, 3 + 4 * cfg.layers))
+
+  def normal(shape, fan_in):
+    return jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(fan_in)
+
+  layers = [{
+      "ln1": jnp.ones(d), "wqkv": normal((d, cfg.heads * 3 * dh), d),
+      "wo": normal((d, d), d) / np.sqrt(2 * cfg.layers),
+      "ln2": jnp.ones(d), "w1": normal((d, f), d),
+      "w2": normal((f, d), f) / np.sqrt(2 * cfg.layers),
+  } for _ in range(cfg.layers)]
+  return {"embed": normal((cfg.vocab, d), 1.0), "pos": normal((cfg.seq, d), 1.0) * 0.1,
+          "layers": layers, "ln_f": jnp.ones(d), "head": normal((d, cfg.vocab), d)}
+
+
+# ---------------------------------------------------------------------------------------
+# Model (runs per device inside shard_map). Activations are sequence-major, [s, b, d], and
+# flattened to [s*b, d] around the matmuls: gathering/scattering rows over 'tp' is then
+# gathering/scattering the sequence.
+# ---------------------------------------------------------------------------------------
+
+class TPMatmuls(NamedTuple):
+  ag_matmul: Callable  # x [s/tp*b, d] (sequence shard), w [d, n/tp] -> [s*b, n/tp]
+  matmul_rs: Callable  # x [s*b, n/tp], w [n/tp, d] -> [s/tp*b, d] (summed, sequence shard)
+
+
+def tp_matmuls(C) -> TPMatmuls:
+  """The only places a layer talks to the other 'tp' ranks. For the fused ops, replace each
+  body by jax_hoccl.all_gather_matmul(x, w, TP) / jax_hoccl.matmul_reduce_scatter(x, w, TP)."""
+
+  def ag_matmul(x, w):
+    return C.all_gather(x, TP, axis=0, tiled=True) @ w
+
+  def matmul_rs(x, w):
+    return C.psum_scatter(x @ w, TP, scatter_dimension=0, tiled=True)
+
+  return TPMatmuls(ag_matmul, matmul_rs)
+
+
+def rms_norm(x, scale):
+  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+def attention(mm: TPMatmuls, p, x, cfg: Config):
+  """Causal self-attention; this 'tp' rank computes its heads over the full sequence."""
+  s_local, b, d = x.shape
+  dh = cfg.d_model // cfg.heads
+  qkv = mm.ag_matmul(rms_norm(x, p["ln1"]).reshape(-1, d), p["wqkv"])
+  qkv = qkv.reshape(-1, b, qkv.shape[-1] // (3 * dh), 3, dh)  # [s, b, heads/tp, 3, dh]
+  q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+  s = q.shape[0]
+  scores = jnp.einsum("qbhd,kbhd->bhqk", q, k) / np.sqrt(dh)
+  causal = jnp.tril(jnp.ones((s, s), bool))
+  probs = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+  out = jnp.einsum("bhqk,kbhd->qbhd", probs, v).reshape(s * b, -1)
+  return x + mm.matmul_rs(out, p["wo"]).reshape(s_local, b, d)
+
+
+def mlp(mm: TPMatmuls, p, x):
+  s_local, b, d = x.shape
+  h = jax.nn.gelu(mm.ag_matmul(rms_norm(x, p["ln2"]).reshape(-1, d), p["w1"]))
+  return x + mm.matmul_rs(h, p["w2"]).reshape(s_local, b, d)
+
+
+def local_loss(mm: TPMatmuls, params, tokens, targets, cfg: Config):
+  """This device's share of the global mean cross-entropy: the sum over all devices is the
+  loss. tokens/targets: [seq/tp, batch/dp] (this device's sequence and batch shard)."""
+  x = params["embed"][tokens] + params["pos"][:, None, :]
+  for p in params["layers"]:
+    x = mlp(mm, p, attention(mm, p, x, cfg))
+  logits = rms_norm(x, params["ln_f"]) @ params["head"]
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)
+  return jnp.sum(nll) / (cfg.seq * cfg.batch)
+
+
+# ---------------------------------------------------------------------------------------
+# Optimizer: Adam with linear warmup, applied per shard (element-wise, so sharding-agnostic).
+# ---------------------------------------------------------------------------------------
+
+def adam_init(params):
+  zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731 (m, v: separate buffers)
+  return {"m": zeros(), "v": zeros(), "count": jnp.zeros((), jnp.int32)}
+
+
+def adam_update(params, grads, state, cfg: Config, b1=0.9, b2=0.99, eps=1e-8):
+  count = state["count"] + 1
+  t = count.astype(jnp.float32)
+  lr = cfg.lr * jnp.minimum(1.0, t / cfg.warmup)
+  m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], grads)
+  v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state["v"], grads)
+  scale = lr * jnp.sqrt(1 - b2**t) / (1 - b1**t)
+  params = jax.tree.map(lambda p, m, v: p - scale * m / (jnp.sqrt(v) + eps), params, m, v)
+  return params, {"m": m, "v": v, "count": count}
+
+
+# ---------------------------------------------------------------------------------------
+# Train step: one jit(shard_map) with every collective explicit.
+# ---------------------------------------------------------------------------------------
+
+def replicated_axes(spec: P, mesh) -> tuple:
+  """Mesh axes a parameter is replicated over: each device holds a partial gradient for it
+  there, to be summed over those axes."""
+  used = {a for part in spec if part is not None
+          for a in (part if isinstance(part, tuple) else (part,))}
+  return tuple(a for a in mesh.axis_names if a not in used)
+
+
+def make_train_step(C, cfg: Config, mesh, specs):
+  mm = tp_matmuls(C)
+  is_spec = lambda s: isinstance(s, P)  # noqa: E731
+  sync_axes = jax.tree.map(lambda s: replicated_axes(s, mesh), specs, is_leaf=is_spec)
+  opt_specs = {"m": specs, "v": specs, "count": P()}
+  data_spec = P(TP, DP)  # [seq, batch]: sequence over 'tp', batch over 'dp'
+
+  def step(params, opt_state, tokens, targets):
+    # Mark each parameter varying over the axes it is replicated on *before* differentiating:
+    # jax then leaves its gradient per-device (instead of inserting jax.lax's psum in the
+    # backward pass), and we sum it below with C.psum.
+    params_v = jax.tree.map(lambda p, ax: jax.lax.pcast(p, ax, to="varying") if ax else p,
+                            params, sync_axes)
+    loss, grads = jax.value_and_grad(local_loss, argnums=1)(mm, params_v, tokens, targets, cfg)
+    grads = jax.tree.map(lambda g, ax: C.psum(g, ax) if ax else g, grads, sync_axes)
+    params, opt_state = adam_update(params, grads, opt_state, cfg)
+    return params, opt_state, C.psum(loss, (DP, TP))
+
+  sharded = jax.shard_map(step, mesh=mesh,
+                          in_specs=(specs, opt_specs, data_spec, data_spec),
+                          out_specs=(specs, opt_specs, P()))
+  return jax.jit(sharded, donate_argnums=(0, 1))
+
+
+# ---------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------
+
+def progress(step: int, steps: int, loss: float, ms: float | None, width: int = 30):
+  """One line redrawn with \\r on a terminal; a line every tenth of the run otherwise."""
+  done = (step + 1) * width // steps
+  timing = f"{ms:6.2f} ms/step" if ms is not None else "compiling..."
+  line = f"  [{'#' * done}{'.' * (width - done)}] {step + 1:4d}/{steps}  loss {loss:.4f}  {timing}"
+  if sys.stdout.isatty():
+    print("\r" + line, end="\n" if step + 1 == steps else "", flush=True)
+  elif (step + 1) % max(1, steps // 10) == 0 or step == 0:
+    print(line, flush=True)
+
+
+def train(impl: str, cfg: Config, mesh, batches: np.ndarray, seed: int):
+  """Returns (losses [steps], final params as numpy, mean step time in ms)."""
+  C = jax_hoccl if impl == "hoccl" else jax.lax
+  specs = param_specs(cfg)
+  shard = lambda tree, sp: jax.tree.map(  # noqa: E731
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, sp,
+      is_leaf=lambda s: isinstance(s, P))
+  params = shard(init_params(cfg, jax.random.key(seed)), specs)
+  opt_state = shard(adam_init(params), {"m": specs, "v": specs, "count": P()})
+  data_sharding = NamedSharding(mesh, P(TP, DP))
+  train_step = make_train_step(C, cfg, mesh, specs)
+
+  print(f"[{impl}] training {len(batches)} steps")
+  losses, times = [], []
+  for i, batch in enumerate(batches):
+    tokens = jax.device_put(batch[:-1], data_sharding)
+    targets = jax.device_put(batch[1:], data_sharding)
+    t0 = time.perf_counter()
+    params, opt_state, loss = train_step(params, opt_state, tokens, targets)
+    losses.append(float(loss))  # blocks: the step time is the real one
+    if i > 0:  # step 0 is compilation
+      times.append(time.perf_counter() - t0)
+    progress(i, len(batches), losses[-1], 1e3 * np.mean(times) if times else None)
+  ms = 1e3 * float(np.mean(times)) if times else float("nan")
+  return np.array(losses), jax.tree.map(np.asarray, params), ms
+
+
+def default_mesh_shape(n: int) -> tuple[int, int]:
+  tp = 2 if n >= 2 and n % 2 == 0 else 1
+  return n // tp, tp
+
+
+def check_config(cfg: Config, dp: int, tp: int):
+  for what, size, by in (("batch", cfg.batch, dp), ("seq", cfg.seq, tp),
+                         ("heads", cfg.heads, tp), ("d_ff", cfg.d_ff, tp)):
+    if size % by:
+      sys.exit(f"{what}={size} must divide by the mesh axis size {by}")
+
+
+def compare(ref_name, ref, other_name, other, rtol: float) -> bool:
+  """True if the loss curves and final params of two runs agree within rtol."""
+  (loss_a, params_a, _), (loss_b, params_b, _) = ref, other
+  curve_err = float(np.max(np.abs(loss_a - loss_b) / np.abs(loss_b)))
+  leaves_a, leaves_b = jax.tree.leaves(params_a), jax.tree.leaves(params_b)
+  # Per leaf, error relative to the leaf's scale (params near zero have no relative error).
+  param_err = max(float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+                  for a, b in zip(leaves_a, leaves_b))
+  print(f"final loss  {ref_name}: {loss_a[-1]:.6f}   {other_name}: {loss_b[-1]:.6f}")
+  print(f"max rel. difference: loss curve {curve_err:.2e}, params {param_err:.2e} "
+        f"(tolerance {rtol:.0e})")
+  return curve_err <= rtol and param_err <= rtol
+
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--impl", choices=("hoccl", "lax"), default="hoccl",
+                  help="collective module for the main run (default hoccl)")
+  ap.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                  help="also train with the other module and compare (default on)")
+  ap.add_argument("--steps", type=int, default=300)
+  ap.add_argument("--dp", type=int, help="data-parallel size (default: devices / tp)")
+  ap.add_argument("--tp", type=int, help="tensor-parallel size (default 2 if possible)")
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--rtol", type=float, default=1e-4)
+  return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  devices = jax.devices()
+  dp, tp = default_mesh_shape(len(devices))
+  if args.tp:
+    tp = args.tp
+    dp = args.dp or len(devices) // tp
+  elif args.dp:
+    dp, tp = args.dp, len(devices) // args.dp
+  if dp * tp > len(devices) or dp * tp == 0:
+    sys.exit(f"mesh {dp}x{tp} needs {dp * tp} devices, have {len(devices)}")
+  cfg = Config()
+  check_config(cfg, dp, tp)
+  mesh = jax.make_mesh((dp, tp), (DP, TP), devices=devices[:dp * tp])
+  print(f"{len(devices)} {devices[0].platform} devices, mesh dp={dp} x tp={tp}; "
+        f"model d={cfg.d_model} layers={cfg.layers} heads={cfg.heads} seq={cfg.seq} "
+        f"batch={cfg.batch}")
+
+  batches = make_batches(cfg, args.steps, args.seed)
+  impls = [args.impl] + ([{"hoccl": "lax", "lax": "hoccl"}[args.impl]] if args.check else [])
+  runs = {impl: train(impl, cfg, mesh, batches, args.seed) for impl in impls}
+
+  ok = True
+  for impl, (losses, _, ms) in runs.items():
+    first, last = losses[0], np.mean(losses[-10:])
+    learned = last < 0.5 * first
+    print(f"[{impl}] loss {first:.4f} -> {last:.4f} (mean of last 10), {ms:.2f} ms/step: "
+          f"{'learned' if learned else 'DID NOT LEARN (needs < half the initial loss)'}")
+    ok &= learned
+  if args.check:
+    match = compare(impls[0], runs[impls[0]], impls[1], runs[impls[1]], args.rtol)
+    print("MATCH" if match else "MISMATCH")
+    ok &= match
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

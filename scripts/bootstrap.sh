@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Creates .venv (Python 3.12) with jax_hoccl's dependencies and installs jax_hoccl into it
+# (pip builds cc/ with CMake). Idempotent: a second run only rebuilds the package.
+# Env: JAX_VERSION (default 0.11.2, the version on the GPU machines), SKIP_BAZEL=1.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python() {
+  for p in "${JAX_HOCCL_BOOTSTRAP_PYTHON:-}" "$HOME/.pyenv/versions/3.12.1/bin/python3" \
+           "$(command -v pyenv >/dev/null 2>&1 && pyenv root 2>/dev/null)/versions/3.12.1/bin/python3" \
+           python3.12 python3; do
+    [ -n "$p" ] || continue
+    if command -v "$p" >/dev/null 2>&1 && "$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+      echo "$p"; return
+    fi
+  done
+  echo "jax_hoccl needs Python >= 3.12 (jax >= 0.11); none found" >&2; exit 1
+}
+
+if [ ! -x .venv/bin/python ]; then
+  "$(find_python)" -m venv .venv
+fi
+PY=.venv/bin/python
+JAX_VERSION="${JAX_VERSION:-0.11.2}"
+if ! $PY -c "import jax, nanobind, scikit_build_core, pytest" >/dev/null 2>&1; then
+  $PY -m pip install -q --upgrade pip
+  $PY -m pip install -q "jax==${JAX_VERSION}" "jaxlib==${JAX_VERSION}" nanobind scikit-build-core pytest numpy
+fi
+# Build and install jax_hoccl itself (the CUDA engine too when nvcc is found).
+$PY -m pip install -q --no-build-isolation --no-deps --force-reinstall .
+
+if [ "${SKIP_BAZEL:-0}" != 1 ] && ! command -v bazel >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bazel-bootstrap) >/dev/null
+  else
+    echo "bazel not found and apt-get unavailable: install bazel-bootstrap" >&2; exit 1
+  fi
+fi

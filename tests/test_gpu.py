@@ -1,0 +1,157 @@
+"""The CUDA copy-engine engine against jax.lax on real GPUs (skipped without >= 2 GPUs).
+
+Run on a multi-GPU machine with `bash scripts/gpu_check.sh` (builds, runs this, benchmarks).
+"""
+import os
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_hoccl
+
+
+def _gpus():
+  try:
+    return jax.devices("gpu")
+  except RuntimeError:
+    return []
+
+
+GPUS = _gpus()
+pytestmark = pytest.mark.skipif(len(GPUS) < 2, reason="needs >= 2 GPUs")
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8, jnp.uint8]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return jax.make_mesh((len(GPUS),), ("x",), devices=GPUS)
+
+
+def _rand(shape, dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  if np.issubdtype(np.dtype(dtype), np.integer):
+    return rng.integers(1, 50, size=shape).astype(dtype)
+  return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def _run(mesh, f, x, in_spec=P("x"), out_spec=P("x")):
+  x = jax.device_put(x, NamedSharding(mesh, in_spec))
+  return np.asarray(jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_spec, out_specs=out_spec))(x))
+
+
+def _close(a, b, dtype):
+  if np.dtype(dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float16)):
+    np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=2e-2, atol=2e-2)
+  else:
+    np.testing.assert_array_equal(a, b)
+
+
+OPS = {
+    "all_gather": (lambda m: lambda v: m.all_gather(v, "x", tiled=True), P("x")),
+    "all_gather_axis1": (lambda m: lambda v: m.all_gather(v, "x", axis=1), P("x")),
+    "psum": (lambda m: lambda v: m.psum(v, "x"), P()),
+    "psum_scatter": (lambda m: lambda v: m.psum_scatter(v, "x", tiled=True), P("x")),
+    "all_to_all": (lambda m: lambda v: m.all_to_all(v, "x", 0, 1, tiled=True), P("x")),
+    "ppermute": (lambda m: lambda v: m.ppermute(v, "x", [(i, (i + 1) % len(GPUS))
+                                                          for i in range(len(GPUS))]), P("x")),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", sorted(OPS))
+# Rows per device n*r: tiny, odd (not a multiple of any chunk), and ~4 MiB (chunked copies).
+@pytest.mark.parametrize("r,cols", [(1, 3), (37, 5), (4099, 257)])
+def test_op_matches_lax(mesh, op, dtype, r, cols):
+  make, out_spec = OPS[op]
+  n = len(GPUS)
+  x = _rand((n * n * r, cols), dtype)
+  ours = _run(mesh, make(jax_hoccl), x, out_spec=out_spec)
+  ref = _run(mesh, make(jax.lax), x, out_spec=out_spec)
+  _close(ours, ref, dtype)
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_step"])
+def test_psum_algorithms(mesh, algorithm):
+  x = _rand((2 * 100003,), jnp.float32, seed=3)  # odd size: two_step pads
+  with jax_hoccl.psum_algorithm(algorithm):
+    ours = _run(mesh, lambda v: jax_hoccl.psum(v, "x"), x, out_spec=P())
+  ref = _run(mesh, lambda v: jax.lax.psum(v, "x"), x, out_spec=P())
+  np.testing.assert_allclose(ours, ref, rtol=1e-6)
+
+
+def test_partial_ppermute_zero_fills(mesh):
+  x = _rand((len(GPUS) * 8, 4), jnp.float32, seed=4)
+  perm = [(0, 1)]
+  ours = _run(mesh, lambda v: jax_hoccl.ppermute(v, "x", perm), x)
+  ref = _run(mesh, lambda v: jax.lax.ppermute(v, "x", perm), x)
+  np.testing.assert_array_equal(ours, ref)
+
+
+def test_1000_back_to_back_calls(mesh):
+  n = len(GPUS)
+  perm = [(i, (i + 1) % n) for i in range(n)]
+
+  def chain(mod):
+    def body(v):
+      def step(_, v):
+        v = mod.ppermute(v, "x", perm)
+        g = mod.all_gather(v, "x", tiled=True)
+        return v + 0.001 * g[: v.shape[0]]
+      return jax.lax.fori_loop(0, 500, step, v)
+    return body
+
+  x = _rand((n * 64, 16), jnp.float32, seed=5)
+  ours = _run(mesh, chain(jax_hoccl), x)
+  ref = _run(mesh, chain(jax.lax), x)
+  np.testing.assert_allclose(ours, ref, rtol=1e-5)
+  # And 1000 separate launches of one jitted op, then nothing left in the rendezvous.
+  f = jax.jit(jax.shard_map(lambda v: jax_hoccl.psum(v, "x"), mesh=mesh, in_specs=P("x"),
+                            out_specs=P()))
+  xs = jax.device_put(x, NamedSharding(mesh, P("x")))
+  for _ in range(1000):
+    y = f(xs)
+  np.testing.assert_allclose(np.asarray(y), _run(mesh, lambda v: jax.lax.psum(v, "x"), x, out_spec=P()), rtol=1e-6)
+  assert jax_hoccl._hoccl.live_slot_count() == 0
+
+
+def test_mixed_with_xla_collectives_and_gemms(mesh):
+  def f(mod):
+    def body(x, w):
+      h = mod.all_gather(x, "x", tiled=True) @ w          # column-parallel
+      h = jax.lax.psum(h, "x") * 0.5                       # XLA's own collective
+      h = jnp.tanh(h) @ w.T
+      h = mod.psum_scatter(h, "x", tiled=True)
+      return mod.psum(h @ w, "x")
+    return body
+
+  n = len(GPUS)
+  x = _rand((n * 128, 256), jnp.float32, seed=6)
+  w = _rand((256, 256), jnp.float32, seed=7) / 16
+  outs = []
+  for mod in (jax_hoccl, jax.lax):
+    g = jax.jit(jax.shard_map(f(mod), mesh=mesh, in_specs=(P("x"), P()), out_specs=P()))
+    outs.append(np.asarray(g(jax.device_put(x, NamedSharding(mesh, P("x"))),
+                             jax.device_put(w, NamedSharding(mesh, P())))))
+  np.testing.assert_allclose(outs[0], outs[1], rtol=2e-3, atol=2e-3)
+
+
+def test_gradients_on_gpu(mesh):
+  n = len(GPUS)
+  x = _rand((n * 16, 8), jnp.float32, seed=8)
+
+  def loss(mod):
+    def body(v):
+      g = mod.all_gather(v, "x", tiled=True)
+      s = mod.psum_scatter(g * g, "x", tiled=True)
+      return mod.psum(jnp.sum(jnp.sin(s)), "x")
+    return lambda v: jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P())(v)
+
+  xs = jax.device_put(x, NamedSharding(mesh, P("x")))
+  g1 = jax.jit(jax.grad(loss(jax_hoccl)))(xs)
+  g2 = jax.jit(jax.grad(loss(jax.lax)))(xs)
+  np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-4, atol=1e-5)
