@@ -89,6 +89,11 @@ std::string Communicator::WaitArrived(uint64_t seq, int rank, int peer, const ch
   return "";
 }
 
+bool Communicator::HasArrived(uint64_t seq, int peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return SlotFor(seq).arrived[peer] != 0;
+}
+
 std::string Communicator::WaitAllArrived(uint64_t seq, int rank, const char* op) {
   for (int p = 0; p < size(); ++p) {
     std::string err = WaitArrived(seq, rank, p, op);

@@ -41,6 +41,8 @@ class Communicator {
   // Wait until `peer` has arrived at `seq`. On timeout returns an error naming the op, my
   // rank and every rank still missing, and breaks the communicator.
   std::string WaitArrived(uint64_t seq, int rank, int peer, const char* op);
+  // Non-blocking: has `peer` arrived at `seq`? (lets a caller spin briefly before blocking)
+  bool HasArrived(uint64_t seq, int peer);
   // Wait until all ranks arrived (used by executors that need every address at once).
   std::string WaitAllArrived(uint64_t seq, int rank, const char* op);
 

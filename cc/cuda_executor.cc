@@ -3,6 +3,7 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -25,13 +26,13 @@ size_t BlockBytes(const OpSpec& spec) {
 
 namespace {
 
-// A positive integer from the environment, or `fallback`.
-long long EnvInt(const char* name, long long fallback) {
+// An integer >= `min` from the environment, or `fallback`.
+long long EnvInt(const char* name, long long fallback, long long min = 1) {
   const char* v = std::getenv(name);
   if (!v || !*v) return fallback;
   char* end = nullptr;
   long long x = std::strtoll(v, &end, 10);
-  return (end && *end == '\0' && x > 0) ? x : fallback;
+  return (end && *end == '\0' && x >= min) ? x : fallback;
 }
 
 bool BatchMemOpsEnabled() {
@@ -73,7 +74,19 @@ std::string DirectTransport::ExchangeBuffers(uint64_t seq, int rank, const void*
                                              void* output, const std::vector<int>& peers,
                                              std::vector<const void*>* inputs, const char* op) {
   comm_.Arrive(seq, rank, input, output);
+  // The peers' handler threads usually arrive within microseconds: spin a little before
+  // sleeping on the condition variable (a futex wake-up costs tens of microseconds, which
+  // would dominate a small collective).
+  const long long spin_us = EnvInt("JAX_HOCCL_SPIN_US", kDefaultSpinMicros, 0);
   for (int p : peers) {
+    if (spin_us > 0 && !comm_.HasArrived(seq, p)) {
+      auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+      while (!comm_.HasArrived(seq, p) && std::chrono::steady_clock::now() < until) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+      }
+    }
     std::string err = comm_.WaitArrived(seq, rank, p, op);
     if (!err.empty()) return err;
     (*inputs)[p] = comm_.Input(seq, p);

@@ -40,6 +40,10 @@ constexpr int kMaxSideStreams = 3;
 // Default number of channels for large messages (capped by the number of copies a rank does).
 constexpr int kLargeMessageChannels = 3;
 
+// Microseconds a handler spins on the host rendezvous before blocking on a condition variable;
+// env JAX_HOCCL_SPIN_US overrides (0 = never spin).
+constexpr long long kDefaultSpinMicros = 200;
+
 enum class ErrorKind { kNone, kInvalidArgument, kDeadline, kInternal, kUnavailable };
 
 struct ExecStatus {

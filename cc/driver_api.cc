@@ -63,7 +63,7 @@ const DriverApi& GetDriverApi() {
     if (!err.empty()) {
       a->write_value64 = nullptr;
       a->wait_value64 = nullptr;
-      a->error = "jax_hoccl: the CUDA executor needs stream memory operations: " + err;
+      a->error = "the CUDA executor needs stream memory operations: " + err;
     }
     if (!Resolve("cuStreamBatchMemOp", &a->batch_mem_op).empty()) a->batch_mem_op = nullptr;
     if (!Resolve("cuGetErrorString", &a->get_error_string).empty()) a->get_error_string = nullptr;

@@ -8,6 +8,7 @@
 #include "cpu_executor.h"
 #include "group.h"
 #include "handlers.h"
+#include "handlers_async.h"
 #include "plan.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -18,11 +19,11 @@ namespace {
 
 ffi::Error RunCpu(OpKind op, int64_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                   ffi::Span<const int64_t> groups, int64_t group_size,
-                  ffi::Span<const int64_t> permute_dst) {
+                  ffi::Span<const int64_t> permute_dst, bool peers_only = false) {
   GroupPosition pos;
   std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
   if (!err.empty()) return ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) + ": " + err);
-  OpSpec spec{op, static_cast<int>(group_size), pos.rank, x.size_bytes(), {}};
+  OpSpec spec{op, static_cast<int>(group_size), pos.rank, x.size_bytes(), {}, peers_only};
   spec.permute_dst.assign(permute_dst.begin(), permute_dst.end());
   if (out->size_bytes() != OutputBytes(spec))
     return ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) +
@@ -30,6 +31,28 @@ ffi::Error RunCpu(OpKind op, int64_t device, ffi::AnyBuffer x, ffi::Result<ffi::
   Communicator& comm = GetCommunicator("cpu", pos.device_ids);
   err = RunOnCpu(comm, spec, x.untyped_data(), out->untyped_data());
   if (!err.empty()) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, err);
+  return ffi::Error::Success();
+}
+
+// Async pairs on CPU: the host engine has no streams to overlap with, so `start` runs the
+// whole op and `done` has nothing left to wait for. Output 1 of start aliases its input and
+// done's outputs alias its inputs (set in the lowering), so neither copies anything.
+ffi::Error AllGatherStartCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Result<ffi::AnyBuffer>, ffi::Span<const int64_t> groups,
+                             int64_t group_size, int64_t peers_only, int64_t) {
+  return RunCpu(OpKind::kAllGather, device, x, out, groups, group_size, {}, peers_only != 0);
+}
+ffi::Error AllToAllStartCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::AnyBuffer>, ffi::Span<const int64_t> groups,
+                            int64_t group_size, int64_t) {
+  return RunCpu(OpKind::kAllToAll, device, x, out, groups, group_size, {});
+}
+ffi::Error PermuteStartCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer>, ffi::Span<const int64_t> groups,
+                           int64_t group_size, ffi::Span<const int64_t> permute_dst, int64_t) {
+  return RunCpu(OpKind::kPermute, device, x, out, groups, group_size, permute_dst);
+}
+ffi::Error DoneCpu(ffi::RemainingArgs, ffi::RemainingRets, int64_t) {
   return ffi::Error::Success();
 }
 
@@ -48,6 +71,39 @@ ffi::Error PermuteCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuff
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCpu, AllGatherStartCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("peers_only")
+                                  .Attr<int64_t>("pair_id"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCpu, AllToAllStartCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("pair_id"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCpu, PermuteStartCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<ffi::Span<const int64_t>>("permute_dst")
+                                  .Attr<int64_t>("pair_id"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kDoneCpu, DoneCpu,
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attr<int64_t>(
+                                  "pair_id"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherCpu, AllGatherCpu,
                               ffi::Ffi::Bind()

@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "communicator.h"
@@ -17,6 +18,17 @@ namespace ffi = xla::ffi;
 
 namespace hoccl {
 namespace {
+
+// GetCommunicator builds a string key under a global lock; the same few groups come back on
+// every call, so each handler thread remembers them (communicators live for the process).
+Communicator& CudaCommunicator(const std::vector<int64_t>& ids) {
+  thread_local std::vector<std::pair<std::vector<int64_t>, Communicator*>> cache;
+  for (auto& entry : cache)
+    if (entry.first == ids) return *entry.second;
+  Communicator& comm = GetCommunicator("cuda", ids);
+  cache.emplace_back(ids, &comm);
+  return comm;
+}
 
 ffi::ErrorCode CodeFor(ErrorKind k) {
   switch (k) {
@@ -43,7 +55,7 @@ ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffe
                                        ": output size does not match the input");
   // Every rank sees the same shapes, so all skip together and sequence numbers stay in step.
   if (spec.bytes == 0) return ffi::Error::Success();
-  Communicator& comm = GetCommunicator("cuda", pos.device_ids);
+  Communicator& comm = CudaCommunicator(pos.device_ids);
   ExecStatus st = RunOnCuda(comm, spec, stream, x.untyped_data(), out->untyped_data());
   if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
   return ffi::Error::Success();

@@ -9,6 +9,7 @@
 
 #include "communicator.h"
 #include "handlers.h"
+#include "handlers_async.h"
 #include "plan.h"
 
 namespace nb = nanobind;
@@ -37,6 +38,18 @@ nb::dict Registrations() {
   add("hoccl_all_to_all", Capsule(hoccl::kAllToAllCpu), nb::none());
   add("hoccl_ppermute", Capsule(hoccl::kPermuteCpu), nb::none());
 #endif
+  // Async pairs: the CUDA ones arrive with the CUDA async engine.
+#ifdef JAX_HOCCL_WITH_CUDA_ASYNC
+  add("hoccl_all_gather_start", Capsule(hoccl::kAllGatherStartCpu), Capsule(hoccl::kAllGatherStartCuda));
+  add("hoccl_all_to_all_start", Capsule(hoccl::kAllToAllStartCpu), Capsule(hoccl::kAllToAllStartCuda));
+  add("hoccl_ppermute_start", Capsule(hoccl::kPermuteStartCpu), Capsule(hoccl::kPermuteStartCuda));
+  add("hoccl_done", Capsule(hoccl::kDoneCpu), Capsule(hoccl::kDoneCuda));
+#else
+  add("hoccl_all_gather_start", Capsule(hoccl::kAllGatherStartCpu), nb::none());
+  add("hoccl_all_to_all_start", Capsule(hoccl::kAllToAllStartCpu), nb::none());
+  add("hoccl_ppermute_start", Capsule(hoccl::kPermuteStartCpu), nb::none());
+  add("hoccl_done", Capsule(hoccl::kDoneCpu), nb::none());
+#endif
   return d;
 }
 
@@ -44,8 +57,9 @@ using PyStep = std::tuple<int, int, int, size_t, size_t, size_t>;
 
 // The steps one rank executes: (kind, peer, channel, src_offset, dst_offset, bytes).
 std::vector<PyStep> Plan(int op, int group_size, int rank, size_t bytes,
-                         std::vector<int> permute_dst, int chunks, int channels) {
-  hoccl::OpSpec spec{static_cast<hoccl::OpKind>(op), group_size, rank, bytes, permute_dst};
+                         std::vector<int> permute_dst, int chunks, int channels, bool peers_only) {
+  hoccl::OpSpec spec{static_cast<hoccl::OpKind>(op), group_size, rank, bytes, permute_dst,
+                     peers_only};
   std::string err = hoccl::ValidateSpec(spec);
   if (!err.empty()) throw nb::value_error(err.c_str());
   std::vector<PyStep> out;
@@ -61,7 +75,7 @@ NB_MODULE(_hoccl, m) {
   m.def("registrations", &Registrations);
   m.def("plan", &Plan, nb::arg("op"), nb::arg("group_size"), nb::arg("rank"), nb::arg("bytes"),
         nb::arg("permute_dst") = std::vector<int>{}, nb::arg("chunks") = 1,
-        nb::arg("channels") = 1);
+        nb::arg("channels") = 1, nb::arg("peers_only") = false);
   m.def("live_slot_count", &hoccl::LiveSlotCount);
 #ifdef JAX_HOCCL_WITH_CUDA
   m.attr("with_cuda") = true;

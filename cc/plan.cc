@@ -19,6 +19,8 @@ std::string ValidateSpec(const OpSpec& spec) {
   if (spec.rank < 0 || spec.rank >= n) return "rank out of range";
   if (spec.op == OpKind::kAllToAll && spec.bytes % n != 0)
     return "all_to_all input bytes must divide by the group size";
+  if (spec.peers_only && spec.op != OpKind::kAllGather)
+    return "peers_only applies to all_gather only";
   if (spec.op == OpKind::kPermute) {
     if (static_cast<int>(spec.permute_dst.size()) != n)
       return "permutation must have one entry per rank";
@@ -32,7 +34,8 @@ std::string ValidateSpec(const OpSpec& spec) {
 }
 
 size_t OutputBytes(const OpSpec& spec) {
-  return spec.op == OpKind::kAllGather ? spec.bytes * spec.group_size : spec.bytes;
+  if (spec.op != OpKind::kAllGather) return spec.bytes;
+  return spec.bytes * (spec.peers_only ? spec.group_size - 1 : spec.group_size);
 }
 
 namespace {
@@ -42,7 +45,11 @@ struct Block { size_t src_offset, dst_offset, bytes; };
 
 Block BlockFor(const OpSpec& s, int src, int dst) {
   switch (s.op) {
-    case OpKind::kAllGather: return {0, src * s.bytes, s.bytes};
+    case OpKind::kAllGather: {
+      if (!s.peers_only) return {0, src * s.bytes, s.bytes};
+      size_t slot = (src - dst - 1 + 2 * s.group_size) % s.group_size;  // src = dst + 1 + slot
+      return {0, slot * s.bytes, s.bytes};
+    }
     case OpKind::kAllToAll: {
       size_t b = s.bytes / s.group_size;
       return {dst * b, src * b, b};
@@ -55,6 +62,7 @@ Block BlockFor(const OpSpec& s, int src, int dst) {
 // Does `dst` read from `src`?
 bool Reads(const OpSpec& s, int dst, int src) {
   if (s.op == OpKind::kPermute) return s.permute_dst[src] == dst;
+  if (s.peers_only && src == dst) return false;
   return true;
 }
 
@@ -100,7 +108,7 @@ std::vector<Step> MakePlan(const OpSpec& spec, const PlanOptions& options) {
     steps.push_back({StepKind::kSignalDone, p, 0, 0, 0, 0});
   }
   // 4. A ppermute destination nobody sends to gets zeros (jax.lax semantics).
-  if (!receives && spec.bytes > 0) steps.push_back({StepKind::kZero, r, 0, 0, 0, spec.bytes});
+  if (spec.op == OpKind::kPermute && !receives && spec.bytes > 0) steps.push_back({StepKind::kZero, r, 0, 0, 0, spec.bytes});
   // 5. My input may be released only when every reader is done with it.
   for (int k = 1; k < n; ++k) {
     int p = (r + n - k) % n;

@@ -56,6 +56,10 @@ struct OpSpec {
   size_t bytes;
   // permute only: dst[src] = destination rank of src's buffer, or -1 (size group_size).
   std::vector<int> permute_dst;
+  // all_gather only: gather just the peers' blocks, rotated: output block k holds rank
+  // (rank + 1 + k) % n's input, n - 1 blocks. Fused ops use it to multiply their own block
+  // while the peers' blocks are still in flight.
+  bool peers_only = false;
 };
 
 // Validates the spec; returns an empty string or a message saying what is wrong.

@@ -72,6 +72,7 @@ class Config(NamedTuple):
   max_stride: int = 6
   lr: float = 3e-3
   warmup: int = 20
+  steps: int = 300  # the learning rate decays to 0 over the run
 
 
 # ---------------------------------------------------------------------------------------
@@ -184,7 +185,8 @@ def local_loss(mm: TPMatmuls, params, tokens, targets, cfg: Config):
 
 
 # ---------------------------------------------------------------------------------------
-# Optimizer: Adam with linear warmup, applied per shard (element-wise, so sharding-agnostic).
+# Optimizer: Adam with linear warmup and cosine decay, applied per shard (element-wise, so
+# sharding-agnostic).
 # ---------------------------------------------------------------------------------------
 
 def adam_init(params):
@@ -195,7 +197,7 @@ def adam_init(params):
 def adam_update(params, grads, state, cfg: Config, b1=0.9, b2=0.99, eps=1e-8):
   count = state["count"] + 1
   t = count.astype(jnp.float32)
-  lr = cfg.lr * jnp.minimum(1.0, t / cfg.warmup)
+  lr = cfg.lr * jnp.minimum(1.0, t / cfg.warmup) * 0.5 * (1 + jnp.cos(jnp.pi * t / cfg.steps))
   m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], grads)
   v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state["v"], grads)
   scale = lr * jnp.sqrt(1 - b2**t) / (1 - b1**t)
@@ -332,7 +334,7 @@ def main(argv=None) -> int:
     dp, tp = args.dp, len(devices) // args.dp
   if dp * tp > len(devices) or dp * tp == 0:
     sys.exit(f"mesh {dp}x{tp} needs {dp * tp} devices, have {len(devices)}")
-  cfg = Config()
+  cfg = Config(steps=args.steps)
   check_config(cfg, dp, tp)
   mesh = jax.make_mesh((dp, tp), (DP, TP), devices=devices[:dp * tp])
   print(f"{len(devices)} {devices[0].platform} devices, mesh dp={dp} x tp={tp}; "

@@ -19,7 +19,7 @@ for _name, _per_platform in _hoccl.registrations().items():
   TARGETS[_name] = tuple(_per_platform)
 
 
-def ffi_lower(target: str, op: str, ctx, *args, **attrs):
+def ffi_lower(target: str, op: str, ctx, *args, lowering_args=None, **attrs):
   """Lowers to the custom call `target`. has_side_effect keeps XLA from merging or dropping
   a collective on some devices only, and from moving it past other side-effecting ops."""
   platforms = ctx.module_context.platforms
@@ -30,4 +30,5 @@ def ffi_lower(target: str, op: str, ctx, *args, **attrs):
       raise RuntimeError(
           f"jax_hoccl.{op}: this build of jax_hoccl has no CUDA engine (the CUDA toolkit was "
           "not found when it was built). Reinstall with nvcc on PATH.")
-  return jax.ffi.ffi_lowering(target, has_side_effect=True)(ctx, *args, **attrs)
+  return jax.ffi.ffi_lowering(target, has_side_effect=True, **(lowering_args or {}))(
+      ctx, *args, **attrs)

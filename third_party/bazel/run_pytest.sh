@@ -23,14 +23,15 @@ tmp="${TEST_TMPDIR:-$(mktemp -d)}"
 src="$tmp/src"
 rm -rf "$src"
 mkdir -p "$src"
-for d in jax_hoccl tests examples benchmarks; do
-  if [[ -d "$d" ]]; then cp -RL "$d" "$src/"; fi
+for f in jax_hoccl tests examples benchmarks pyproject.toml README.md; do
+  if [[ -e "$f" ]]; then cp -RL "$f" "$src/"; fi
 done
-cp -L pyproject.toml "$src/"
 cp -L "$plugin" "$src/bazel_pytest_plugin.py"
 chmod -R u+w "$src"
 so="$src/jax_hoccl/$(basename "$built_so")"
 
+# Subprocesses that run `python` or `pytest` by name get the same interpreter.
+export PATH="$(dirname "$PYTHON"):$PATH"
 export PYTHONPATH="$src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
 export PYTHONNOUSERSITE=1

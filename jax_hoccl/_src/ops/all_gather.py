@@ -57,9 +57,13 @@ def gather_stacked(x, axes, axis_size, invariant=False):
 
 
 def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to="varying"):
-  """jax.lax.all_gather on copy engines. Works on pytrees."""
-  if to not in ("varying", "invariant"):
-    raise ValueError(f"jax_hoccl.all_gather: to must be 'varying' or 'invariant', got {to!r}")
+  """jax.lax.all_gather on copy engines. Works on pytrees. `to="invarying"` (jax.lax's
+  spelling; "invariant" is accepted too) types the output invariant over the axes, like
+  jax.lax.all_gather_invariant."""
+  if to == "reduced":
+    raise NotImplementedError("jax_hoccl.all_gather: to='reduced' is not supported.")
+  if to not in ("varying", "invarying", "invariant"):
+    raise ValueError(f"jax_hoccl.all_gather: to must be 'varying' or 'invarying', got {to!r}")
   axes, n = axes_lib.check_axes(axis_name, "all_gather", axis_index_groups)
 
   def one(leaf):
@@ -69,7 +73,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
     ax = common.canonical_axis(axis, nd if tiled else nd + 1, "all_gather", "axis")
     if tiled and nd == 0:
       raise ValueError("jax_hoccl.all_gather: tiled=True needs an input of rank >= 1.")
-    y = gather_stacked(common.ensure_varying(leaf, axes), axes, n, invariant=(to == "invariant"))
+    y = gather_stacked(common.ensure_varying(leaf, axes), axes, n, invariant=(to != "varying"))
     y = jnp.moveaxis(y, 0, ax)  # [.., n, d_ax, ..]
     if tiled:
       shape = list(leaf.shape)

@@ -1,0 +1,68 @@
+"""all_gather_matmul(x, w, axis) == all_gather(x, axis, tiled=True) @ w, with the gather
+hidden behind the matmul: the peers' rows are pulled by copy engines while XLA multiplies
+this rank's own rows (the column-parallel linear layer of sequence-parallel Megatron).
+
+Backward: dx = matmul_reduce_scatter(ct, w.T) (overlapped the same way), dw from the rows
+gathered in the forward pass.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src.ops import async_collectives as ac
+from jax_hoccl._src.ops import common
+
+
+def gather_and_multiply(x, w, axes, n):
+  """Returns (all_gather(x) @ w, the gathered rows of x in rank order)."""
+  if n == 1:
+    return x @ w, x
+  pending = ac.all_gather_start(x, axes, peers_only=True)  # [n-1, m, ..., K], ranks r+1, r+2..
+  mine = pending.input @ w
+  others, mine = ac.done(pending, mine)
+  k = x.shape[-1]
+  theirs = (others.reshape(-1, k) @ w).reshape(*others.shape[:-1], w.shape[-1])
+  r = common.rank(axes)
+  out = jnp.roll(jnp.concatenate([mine[None], theirs]), r, axis=0)  # index j = rank j's rows
+  gathered = jnp.roll(jnp.concatenate([x[None], others]), r, axis=0)
+  return out.reshape(-1, *out.shape[2:]), gathered.reshape(-1, *x.shape[1:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _agmm(x, w, axis_name):
+  axes, n = axes_lib.check_axes(axis_name, "all_gather_matmul")
+  return gather_and_multiply(x, w, axes, n)[0]
+
+
+def _agmm_fwd(x, w, axis_name):
+  axes, n = axes_lib.check_axes(axis_name, "all_gather_matmul")
+  out, gathered = gather_and_multiply(x, w, axes, n)
+  return out, (gathered, x, w)
+
+
+def _agmm_bwd(axis_name, res, ct):
+  from jax_hoccl._src.fused.matmul_reduce_scatter import matmul_reduce_scatter
+  gathered, x, w = res
+  dx = matmul_reduce_scatter(ct, w.T, axis_name)
+  k, nout = w.shape
+  dw = gathered.reshape(-1, k).T @ ct.reshape(-1, nout)
+  return common.cotangent_like(dx, x), common.cotangent_like(dw, w)
+
+
+_agmm.defvjp(_agmm_fwd, _agmm_bwd)
+
+
+def all_gather_matmul(x, w, axis_name):
+  """all_gather(x, axis_name, tiled=True) @ w for x [m, ..., K] (rows sharded over the axis)
+  and w [K, N]; returns [n*m, ..., N]. Call inside shard_map."""
+  axes, n = axes_lib.check_axes(axis_name, "all_gather_matmul")
+  x, w = jnp.asarray(x), jnp.asarray(w)
+  if x.ndim < 2 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
+    raise ValueError(f"jax_hoccl.all_gather_matmul: needs x [m, ..., K] and w [K, N], got "
+                     f"{x.shape} and {w.shape}.")
+  axes_lib.check_dtype(x, "all_gather_matmul", summable=True)
+  return _agmm(common.ensure_varying(x, axes), w, axes)

@@ -1,0 +1,162 @@
+"""Async pairs: `<op>_start` enqueues the copies and returns at once; `done` waits for them.
+
+    pending = jax_hoccl.all_gather_start(x, "tp", tiled=True)
+    y_mine = pending.input @ w                  # runs while peers' blocks are in flight
+    gathered, y_mine = jax_hoccl.done(pending, y_mine)
+
+The only legal schedule is start -> compute -> done, enforced by data dependencies rather
+than hope: `pending.input` is x passed through an optimization barrier together with a token
+that start outputs (so compute that reads it runs after start, and nothing is copied), and
+done takes the compute's results and hands them back aliased (so done runs after them).
+done also takes x, which keeps x alive until done, because peers read it in between.
+On GPU the copies run on side streams (copy engines) between start and done; on CPU start
+does the whole exchange and done is free.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import jax_internals as ji
+from jax_hoccl._src.ffi_targets import ffi_lower
+from jax_hoccl._src.ops import common
+from jax_hoccl._src.ops.ppermute import check_perm
+
+_pair_ids = itertools.count(1)
+
+start_p = ji.Primitive("hoccl_start")
+start_p.multiple_results = True
+done_p = ji.Primitive("hoccl_done")
+done_p.multiple_results = True
+
+
+def _start_abstract_eval(x, *, op, axes, axis_size, perm, peers_only, invariant, pair_id):
+  vma = ji.varying_axes(x)
+  if ji.check_vma_enabled() and not set(axes) <= vma:
+    raise ValueError(f"jax_hoccl {op}_start: input must be varying over {axes}, got {set(vma)}")
+  if op == "all_gather":
+    blocks = axis_size - 1 if peers_only else axis_size
+    out = ji.with_type(x, (blocks, *x.shape), vma - set(axes) if invariant else vma)
+  else:
+    out = ji.with_type(x, x.shape, vma)
+  token = ji.with_type(x, (), vma).update(dtype=np.dtype(np.int32), weak_type=False)
+  return [out, token]
+
+
+def _start_lowering(ctx, x, *, op, axes, axis_size, perm, peers_only, invariant, pair_id):
+  attrs = axes_lib.ffi_group_attrs(ctx, axes, op)
+  if op == "all_gather":
+    attrs["peers_only"] = np.int64(peers_only)
+  if op == "ppermute":
+    dst = np.full(axis_size, -1, np.int64)
+    for s, d in perm:
+      dst[s] = d
+    attrs["permute_dst"] = dst
+  return ffi_lower(f"hoccl_{op}_start", op, ctx, x, pair_id=np.int64(pair_id), **attrs)
+
+
+def _done_abstract_eval(buf, x, *deps, pair_id):
+  return [buf, *deps]
+
+
+def _done_lowering(ctx, buf, x, *deps, pair_id):
+  aliases = {0: 0, **{2 + i: 1 + i for i in range(len(deps))}}
+  return ffi_lower("hoccl_done", "done", ctx, buf, x, *deps, pair_id=np.int64(pair_id),
+                   lowering_args=dict(operand_output_aliases=aliases))
+
+
+start_p.def_abstract_eval(_start_abstract_eval)
+ji.register_lowering(start_p, _start_lowering)
+done_p.def_abstract_eval(_done_abstract_eval)
+ji.register_lowering(done_p, _done_lowering)
+
+
+@jax.tree_util.register_pytree_node_class
+class Pending:
+  """An exchange in flight. `input` is x ordered after start: compute on it to overlap.
+  Pass the Pending to `jax_hoccl.done` exactly once."""
+
+  def __init__(self, buffer, input, token, pair_id, finish):
+    self.buffer, self.input, self.token = buffer, input, token
+    self.pair_id, self.finish = pair_id, finish
+
+  def tree_flatten(self):
+    return (self.buffer, self.input, self.token), (self.pair_id, self.finish)
+
+  def after_start(self, tree):
+    """`tree` ordered after this start (an optimization barrier with its token; no copy):
+    compute on the result overlaps the exchange instead of running before it."""
+    return jax.lax.optimization_barrier((tree, self.token))[0]
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(*children, *aux)
+
+
+def _start(op, x, axes, n, *, perm=(), peers_only=False, invariant=False, finish=None):
+  pair_id = next(_pair_ids)
+  buf, token = start_p.bind(x, op=op, axes=tuple(axes), axis_size=int(n), perm=tuple(perm),
+                            peers_only=bool(peers_only), invariant=bool(invariant),
+                            pair_id=pair_id)
+  x_after_start, _ = jax.lax.optimization_barrier((x, token))
+  return Pending(buf, x_after_start, token, pair_id, finish or (lambda b: b))
+
+
+def done(pending: Pending, *deps):
+  """Waits for `pending` and returns (result, *deps): pass the arrays computed between start
+  and done as `deps` so XLA cannot move that compute after the wait."""
+  if not isinstance(pending, Pending):
+    raise TypeError(f"jax_hoccl.done expects what a *_start returned, got {type(pending)}")
+  flat, tree = jax.tree.flatten(deps)
+  buf, *flat = done_p.bind(pending.buffer, pending.input, *flat, pair_id=pending.pair_id)
+  return (pending.finish(buf), *jax.tree.unflatten(tree, flat))
+
+
+def all_gather_start(x, axis_name, *, axis=0, tiled=False, peers_only=False, to="varying"):
+  """Starts jax_hoccl.all_gather(x, ...). With peers_only=True the result holds only the
+  n - 1 peers' blocks, stacked on a new leading axis in rotated order (rank+1, rank+2, ...):
+  fused ops multiply their own block meanwhile. axis/tiled apply when peers_only=False."""
+  axes, n = axes_lib.check_axes(axis_name, "all_gather_start")
+  x = jnp.asarray(x)
+  axes_lib.check_dtype(x, "all_gather_start")
+  x = common.ensure_varying(x, axes)
+  if peers_only:
+    return _start("all_gather", x, axes, n, peers_only=True)
+  nd = x.ndim
+  ax = common.canonical_axis(axis, nd if tiled else nd + 1, "all_gather_start", "axis")
+
+  def finish(y):
+    y = jnp.moveaxis(y, 0, ax)
+    if tiled:
+      shape = list(x.shape)
+      shape[ax] *= n
+      y = y.reshape(shape)
+    return y
+
+  return _start("all_gather", x, axes, n, invariant=(to != "varying"), finish=finish)
+
+
+def all_to_all_start(x, axis_name, *, tiled=True):
+  """Starts an all_to_all of x's leading axis (size n, or divisible by n with tiled=True):
+  block j goes to rank j; done returns the received blocks stacked in rank order."""
+  axes, n = axes_lib.check_axes(axis_name, "all_to_all_start")
+  x = jnp.asarray(x)
+  axes_lib.check_dtype(x, "all_to_all_start")
+  if x.ndim == 0 or x.shape[0] % n or (not tiled and x.shape[0] != n):
+    raise ValueError(f"jax_hoccl.all_to_all_start: leading axis {x.shape[:1]} must split into "
+                     f"{n} blocks (the size of {axes}).")
+  shape = x.shape
+  blocks = common.ensure_varying(x, axes).reshape(n, shape[0] // n, *shape[1:])
+  return _start("all_to_all", blocks, axes, n, finish=lambda y: y.reshape(shape))
+
+
+def ppermute_start(x, axis_name, perm):
+  """Starts jax_hoccl.ppermute(x, axis_name, perm)."""
+  axes, n = axes_lib.check_axes(axis_name, "ppermute_start")
+  x = jnp.asarray(x)
+  axes_lib.check_dtype(x, "ppermute_start")
+  return _start("ppermute", common.ensure_varying(x, axes), axes, n, perm=check_perm(perm, n))
