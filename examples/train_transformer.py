@@ -12,12 +12,15 @@ What it shows
   * Every collective goes through one module `C`: `jax_hoccl` (default) or `jax.lax`, with
     identical call sites. With --check (the default) the script trains the model with both,
     from the same init on the same data, and checks that the loss curves and the final
-    parameters agree (float32, rtol 1e-4); it prints MATCH or exits non-zero.
+    parameters agree (float32, rtol 1e-4); it prints MATCH or exits non-zero. (They agree to
+rounding, not bitwise, on 8 CPU devices: jax_hoccl's and XLA's sums over >= 6 ranks add in
+different orders. The cosine learning-rate decay keeps that 1-ulp seed from growing.)
 
 The task: next-token prediction on arithmetic sequences x[t+1] = (x[t] + k) mod V, with a
-random start and a random stride k per sequence (fixed-seed generator). The stride is not
-given: the model has to read it off the previous tokens through attention, so the loss can
-only fall well below log(V) if attention and the MLPs learn (the script asserts it halves).
+random start and a random stride k in 1..6 per sequence (fixed-seed generator). The stride is
+not given: without attention the best loss is log(6) ~ 1.79 per token; reading k off the
+previous tokens through attention brings it to ~log(6)/seq ~ 0.06. The script asserts the
+final loss is below half the initial loss and below log(6)/2, i.e. that attention learned.
 
 Run (CPU: 8 virtual devices, a 4x2 mesh; 2 GPUs: a 1x2 mesh):
     python examples/train_transformer.py                    # hoccl, checked against lax
@@ -72,7 +75,7 @@ class Config(NamedTuple):
   max_stride: int = 6
   lr: float = 3e-3
   warmup: int = 20
-  steps: int = 300  # the learning rate decays to 0 over the run
+  steps: int = 300  # the learning rate decays to 0 over the run (keeps the runs comparable)
 
 
 # ---------------------------------------------------------------------------------------
@@ -348,9 +351,11 @@ def main(argv=None) -> int:
   ok = True
   for impl, (losses, _, ms) in runs.items():
     first, last = losses[0], np.mean(losses[-10:])
-    learned = last < 0.5 * first
+    # log(max_stride) is the best loss a model that ignores the context can reach.
+    target = min(0.5 * first, 0.5 * np.log(cfg.max_stride))
+    learned = last < target
     print(f"[{impl}] loss {first:.4f} -> {last:.4f} (mean of last 10), {ms:.2f} ms/step: "
-          f"{'learned' if learned else 'DID NOT LEARN (needs < half the initial loss)'}")
+          f"{'learned' if learned else f'DID NOT LEARN (needs < {target:.3f})'}")
     ok &= learned
   if args.check:
     match = compare(impls[0], runs[impls[0]], impls[1], runs[impls[1]], args.rtol)
