@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -34,6 +35,22 @@ long long EnvInt(const char* name, long long fallback, long long min = 1) {
   long long x = std::strtoll(v, &end, 10);
   return (end && *end == '\0' && x >= min) ? x : fallback;
 }
+
+bool DebugEnabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("JAX_HOCCL_DEBUG");
+    return v && *v && std::strcmp(v, "0") != 0;
+  }();
+  return enabled;
+}
+
+#define HOCCL_TRACE(...)                                  \
+  do {                                                    \
+    if (DebugEnabled()) {                                 \
+      std::fprintf(stderr, "[jax_hoccl] " __VA_ARGS__);   \
+      std::fflush(stderr);                                \
+    }                                                     \
+  } while (0)
 
 bool BatchMemOpsEnabled() {
   static const bool enabled = [] {
@@ -411,6 +428,11 @@ std::string EnqueueMultiStream(const CallContext& c, DeviceResources& res) {
 }
 
 std::string CurrentDevice(cudaStream_t stream, int* device) {
+  static const bool use_current = std::getenv("JAX_HOCCL_NO_STREAM_DEVICE") != nullptr;
+  if (use_current) {
+    HOCCL_CUDA_RETURN(cudaGetDevice(device));
+    return "";
+  }
 #if CUDART_VERSION >= 12080
   HOCCL_CUDA_RETURN(cudaStreamGetDevice(stream, device));
   int current = -1;
@@ -432,13 +454,19 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   if (!err.empty()) return {ErrorKind::kDeadline, err};
   err = ValidateSpec(spec);
   if (!err.empty()) return {ErrorKind::kInvalidArgument, std::string("jax_hoccl ") + op + ": " + err};
+  HOCCL_TRACE("%s rank %d/%d: enter, %zu bytes, stream %p, in %p out %p\n", op, spec.rank,
+              spec.group_size, spec.bytes, static_cast<void*>(stream), input, output);
   const DriverApi& api = GetDriverApi();
+  HOCCL_TRACE("driver api: write %p wait %p batch %p err '%s'\n",
+              reinterpret_cast<void*>(api.write_value64), reinterpret_cast<void*>(api.wait_value64),
+              reinterpret_cast<void*>(api.batch_mem_op), api.error.c_str());
   if (!api.error.empty()) return {ErrorKind::kUnavailable, std::string("jax_hoccl ") + op + ": " + api.error};
 
   int device = -1;
   err = CurrentDevice(stream, &device);
   if (!err.empty()) return {ErrorKind::kInternal, std::string("jax_hoccl ") + op + ": " + err};
   const std::string prefix = Prefix(spec, device);
+  HOCCL_TRACE("%s rank %d: CUDA device %d\n", op, spec.rank, device);
   DirectTransport transport(comm);
 
   RankState& st = RankStateFor(&comm, spec.rank);
@@ -447,6 +475,8 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
     if (!st.ready && st.setup_error.empty()) {
       err = SetupRank(st, transport, spec, device, stream);
       if (err.empty()) st.ready = true; else st.setup_error = err;
+      HOCCL_TRACE("%s rank %d: setup flags %p -> '%s'\n", op, spec.rank,
+                  static_cast<void*>(st.flags), err.c_str());
     }
     if (!st.ready) {
       ErrorKind k = comm.Broken().empty() ? ErrorKind::kInternal : ErrorKind::kDeadline;
@@ -473,6 +503,8 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   inputs[r] = input;
   err = transport.ExchangeBuffers(seq, r, input, output, peers, &inputs, op);
   if (!err.empty()) return {ErrorKind::kDeadline, err};
+  HOCCL_TRACE("%s rank %d: seq %llu rendezvous done, %zu steps, multi %d\n", op, r,
+              static_cast<unsigned long long>(seq), steps.size(), multi ? 1 : 0);
 
   CallContext ctx{api, spec, steps, stream, inputs, output, st, seq + 1};
   if (multi) {
@@ -484,6 +516,8 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
     err = EnqueueSingleStream(ctx);
   }
   transport.Release(seq, r);
+  HOCCL_TRACE("%s rank %d: seq %llu enqueued '%s'\n", op, r, static_cast<unsigned long long>(seq),
+              err.c_str());
   if (!err.empty()) return {ErrorKind::kInternal, prefix + err};
   return ExecStatus::Ok();
 }

@@ -3,6 +3,9 @@
 // (cuda_executor.h) in "direct" mode on XLA's stream of this device.
 #include <cuda_runtime_api.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -44,6 +47,16 @@ ffi::ErrorCode CodeFor(ErrorKind k) {
 ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffer x,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                    int64_t group_size, ffi::Span<const int64_t> permute_dst) {
+  static const bool debug = [] {
+    const char* v = std::getenv("JAX_HOCCL_DEBUG");
+    return v && *v && std::strcmp(v, "0") != 0;
+  }();
+  if (debug) {
+    std::fprintf(stderr, "[jax_hoccl] handler %s: device %lld, stream %p, %zu groups entries, group size %lld\n",
+                 OpName(op), static_cast<long long>(device), static_cast<void*>(stream),
+                 groups.size(), static_cast<long long>(group_size));
+    std::fflush(stderr);
+  }
   GroupPosition pos;
   std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
   if (!err.empty())

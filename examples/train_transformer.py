@@ -13,8 +13,11 @@ What it shows
     identical call sites. With --check (the default) the script trains the model with both,
     from the same init on the same data, and checks that the loss curves and the final
     parameters agree (float32, rtol 1e-4); it prints MATCH or exits non-zero. (They agree to
-rounding, not bitwise, on 8 CPU devices: jax_hoccl's and XLA's sums over >= 6 ranks add in
-different orders. The cosine learning-rate decay keeps that 1-ulp seed from growing.)
+rounding: jax_hoccl sums in rank order, XLA:CPU's psum does too, but the backward passes
+may differ in the last bit, and the cosine learning-rate decay keeps that from growing.)
+  * --fused swaps the two tp call sites for jax_hoccl.all_gather_matmul /
+    jax_hoccl.matmul_reduce_scatter (exchanges hidden behind the matmuls) and prints the
+    step times of both runs.
 
 The task: next-token prediction on arithmetic sequences x[t+1] = (x[t] + k) mod V, with a
 random start and a random stride k in 1..6 per sequence (fixed-seed generator). The stride is
@@ -137,9 +140,12 @@ class TPMatmuls(NamedTuple):
   matmul_rs: Callable  # x [s*b, n/tp], w [n/tp, d] -> [s/tp*b, d] (summed, sequence shard)
 
 
-def tp_matmuls(C) -> TPMatmuls:
-  """The only places a layer talks to the other 'tp' ranks. For the fused ops, replace each
-  body by jax_hoccl.all_gather_matmul(x, w, TP) / jax_hoccl.matmul_reduce_scatter(x, w, TP)."""
+def tp_matmuls(C, fused: bool = False) -> TPMatmuls:
+  """The only places a layer talks to the other 'tp' ranks. With fused=True (jax_hoccl
+  only) the exchanges hide behind the matmuls: all_gather_matmul / matmul_reduce_scatter."""
+  if fused:
+    return TPMatmuls(lambda x, w: jax_hoccl.all_gather_matmul(x, w, TP),
+                     lambda x, w: jax_hoccl.matmul_reduce_scatter(x, w, TP))
 
   def ag_matmul(x, w):
     return C.all_gather(x, TP, axis=0, tiled=True) @ w
@@ -220,8 +226,8 @@ def replicated_axes(spec: P, mesh) -> tuple:
   return tuple(a for a in mesh.axis_names if a not in used)
 
 
-def make_train_step(C, cfg: Config, mesh, specs):
-  mm = tp_matmuls(C)
+def make_train_step(C, cfg: Config, mesh, specs, fused: bool = False):
+  mm = tp_matmuls(C, fused)
   is_spec = lambda s: isinstance(s, P)  # noqa: E731
   sync_axes = jax.tree.map(lambda s: replicated_axes(s, mesh), specs, is_leaf=is_spec)
   opt_specs = {"m": specs, "v": specs, "count": P()}
@@ -259,9 +265,10 @@ def progress(step: int, steps: int, loss: float, ms: float | None, width: int = 
     print(line, flush=True)
 
 
-def train(impl: str, cfg: Config, mesh, batches: np.ndarray, seed: int):
+def train(impl: str, cfg: Config, mesh, batches: np.ndarray, seed: int, fused: bool = False):
   """Returns (losses [steps], final params as numpy, mean step time in ms)."""
   C = jax_hoccl if impl == "hoccl" else jax.lax
+  fused = fused and impl == "hoccl"
   specs = param_specs(cfg)
   shard = lambda tree, sp: jax.tree.map(  # noqa: E731
       lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, sp,
@@ -269,9 +276,9 @@ def train(impl: str, cfg: Config, mesh, batches: np.ndarray, seed: int):
   params = shard(init_params(cfg, jax.random.key(seed)), specs)
   opt_state = shard(adam_init(params), {"m": specs, "v": specs, "count": P()})
   data_sharding = NamedSharding(mesh, P(TP, DP))
-  train_step = make_train_step(C, cfg, mesh, specs)
+  train_step = make_train_step(C, cfg, mesh, specs, fused)
 
-  print(f"[{impl}] training {len(batches)} steps")
+  print(f"[{impl}{' fused' if fused else ''}] training {len(batches)} steps")
   losses, times = [], []
   for i, batch in enumerate(batches):
     tokens = jax.device_put(batch[:-1], data_sharding)
@@ -321,6 +328,8 @@ def parse_args(argv=None):
   ap.add_argument("--steps", type=int, default=300)
   ap.add_argument("--dp", type=int, help="data-parallel size (default: devices / tp)")
   ap.add_argument("--tp", type=int, help="tensor-parallel size (default 2 if possible)")
+  ap.add_argument("--fused", action="store_true",
+                  help="hoccl: use all_gather_matmul / matmul_reduce_scatter in the layers")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--rtol", type=float, default=1e-4)
   return ap.parse_args(argv)
@@ -346,7 +355,7 @@ def main(argv=None) -> int:
 
   batches = make_batches(cfg, args.steps, args.seed)
   impls = [args.impl] + ([{"hoccl": "lax", "lax": "hoccl"}[args.impl]] if args.check else [])
-  runs = {impl: train(impl, cfg, mesh, batches, args.seed) for impl in impls}
+  runs = {impl: train(impl, cfg, mesh, batches, args.seed, fused=args.fused) for impl in impls}
 
   ok = True
   for impl, (losses, _, ms) in runs.items():
@@ -361,6 +370,9 @@ def main(argv=None) -> int:
     match = compare(impls[0], runs[impls[0]], impls[1], runs[impls[1]], args.rtol)
     print("MATCH" if match else "MISMATCH")
     ok &= match
+    hoccl_ms, lax_ms = runs["hoccl"][2], runs["lax"][2]
+    print(f"step time: hoccl{' fused' if args.fused else ''} {hoccl_ms:.2f} ms, lax {lax_ms:.2f} "
+          f"ms ({lax_ms / hoccl_ms:.2f}x speed-up)")
   return 0 if ok else 1
 
 

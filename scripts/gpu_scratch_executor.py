@@ -126,6 +126,23 @@ def set_env(**kw):
         os.environ[k] = str(v)
 
 
+if "--minimal" in sys.argv:
+    # the smallest thing that crosses the FFI boundary: one op of each kind, small
+    log("=== minimal")
+    x = rand((n * 1000,), np.float32)
+    got = smap(ag)(jax.device_put(x, SH))
+    check("minimal all_gather", got, np.tile(x.reshape(1, n, 1000), (n, 1, 1)).reshape(n * n, 1000))
+    got = smap(lambda v: pp(v, [(i + 1) % n for i in range(n)]))(jax.device_put(x, SH))
+    check("minimal ppermute", got, np.roll(x.reshape(n, 1000), 1, axis=0).reshape(-1))
+    x = rand((n * n, 4096), np.float32)
+    got = smap(a2a)(jax.device_put(x, SH))
+    check("minimal all_to_all", got, x.reshape(n, n, 4096).transpose(1, 0, 2).reshape(n * n, 4096))
+    x = rand((n * (4 << 20),), np.float32)
+    got = smap(ag)(jax.device_put(x, SH))
+    check("minimal all_gather 16 MiB", got, np.tile(x.reshape(1, n, -1), (n, 1, 1)).reshape(n * n, -1))
+    log("minimal failures:", failures or "none")
+    sys.exit(1 if failures else 0)
+
 # ------------------------------------------------------------------ correctness
 log("=== correctness")
 big = 3 * 2**20 + 13 if PLATFORM != "cpu" else 70001

@@ -3,6 +3,7 @@
 The environment must be set before jax is imported anywhere, so it is done at the top of
 this file (pytest imports conftest.py before any test module).
 """
+import contextlib
 import os
 
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -150,3 +151,15 @@ def assert_sum_matches(ours, ref_f32_or_exact, name=""):
     np.testing.assert_array_equal(a, b, err_msg=name)
   else:
     assert_same(a, b, exact=False, name=name)
+
+
+@contextlib.contextmanager
+def lax_ppermute_any_axis_order():
+  """jax.lax.ppermute refuses axis names out of mesh order (('y', 'x') on an ('x', 'y') mesh)
+  unless this check is off; with it off lax uses the given order, as jax_hoccl does."""
+  prev = jax.config.jax_raise_on_ppermute_sort_diff
+  jax.config.update("jax_raise_on_ppermute_sort_diff", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_raise_on_ppermute_sort_diff", prev)

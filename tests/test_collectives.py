@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import jax_hoccl as hc
 from conftest import (AXIS_CASES, DTYPES, LOW_PRECISION, MESH1, MESH2, all_axes_spec,
                       assert_lowers_to_ours, assert_same, assert_sum_matches, axis_size,
-                      global_inputs, put, rand, to_np)
+                      global_inputs, lax_ppermute_any_axis_order, put, rand, to_np)
 
 ALL_DTYPES = DTYPES  # bool is summed as int32 (promoted like jax.lax.psum)
 
@@ -179,8 +179,7 @@ def test_ppermute(mesh, name, kind):
     return jax.lax.ppermute(t, name, perm)
 
   # jax.lax.ppermute refuses axis names out of mesh order unless told otherwise.
-  allow = (jax.raise_on_ppermute_sort_diff(False) if name == ("y", "x")
-           else contextlib.nullcontext())
+  allow = lax_ppermute_any_axis_order() if name == ("y", "x") else contextlib.nullcontext()
   with allow:
     got = run_compare(mesh, ours, lax, lax, inputs, expect=["hoccl_ppermute"])
   if kind == "partial":  # some device's block is all zeros, and not all are
@@ -276,7 +275,7 @@ def test_all_dtypes(op):
   else:
     typed = ref = lax
   algo = op.split("_", 1)[1] if op.startswith("psum_") and op != "psum_scatter" else "auto"
-  with hc.psum_algorithm(algo), jax.raise_on_ppermute_sort_diff(False):
+  with hc.psum_algorithm(algo), lax_ppermute_any_axis_order():
     got = run_compare(MESH2, ours, typed, ref, inputs, summing=summing)
   for k, dt in ALL_DTYPES.items():
     want = jnp.int32 if (k == "bool" and summing) else dt
@@ -318,7 +317,8 @@ def test_check_vma_false(op, name):
     typed, ref = summing_refs(lambda l: lax_op(l, name), promote_bool=False)
   else:
     typed = ref = lax
-  run_compare(MESH2, ours, typed, ref, inputs, summing=summing, check_vma=False)
+  with lax_ppermute_any_axis_order():
+    run_compare(MESH2, ours, typed, ref, inputs, summing=summing, check_vma=False)
 
 
 # --------------------------------------------------------------------------- out_specs
@@ -379,19 +379,19 @@ def test_invariant_and_scalar_inputs(check_vma):
     def body(a, r):
       s = a[0, 0]  # a scalar per device
       return (m.psum(r, "y"), m.psum(s, ("x", "y")), m.all_gather(s, "y"),
-              m.ppermute(s, "y", perm), m.all_gather(r, "x", tiled=True))
+              m.ppermute(s, "y", perm)[None], m.all_gather(r, "x", tiled=True))
     return body
 
   outs = P(("x", "y"))
-  specs = (P(), P(), outs, outs, P(("x", "y")))
+  specs = (P(), P(), outs, outs, P())
   got, ref = [jax.jit(jax.shard_map(make(m), mesh=MESH2, in_specs=(P(("x", "y")), P()),
-                                    out_specs=specs if check_vma else (outs,) * 5,
-                                    check_vma=check_vma))(x, rep)
+                                    out_specs=specs, check_vma=check_vma))(x, rep)
               for m in (hc, jax.lax)]
   for g, r in zip(got, ref):
     assert_same(g, r, exact=False)
-  if check_vma:
-    np.testing.assert_allclose(to_np(got[0]), 4 * to_np(rep), rtol=1e-6)
+  np.testing.assert_allclose(to_np(got[0]), 4 * to_np(rep), rtol=1e-6)
+  np.testing.assert_allclose(to_np(got[1]), to_np(x)[::3, 0].sum(), rtol=1e-5)
+  np.testing.assert_array_equal(to_np(got[4]), np.tile(to_np(rep), 2))
 
 
 # ---------------------------------------------------------------------------------- pytrees

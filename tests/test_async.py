@@ -1,0 +1,471 @@
+"""Async start/done pairs vs jax.lax: values and typing of all_gather_start (tiled/untiled,
+axis 0/1, peers_only), all_to_all_start (tiled/untiled) and ppermute_start (full and partial
+permutations) on a 1-D mesh of 8 and a 2x4 mesh, check_vma True/False, float32/bfloat16;
+the schedule XLA compiles (start -> compute -> done, no copies); several pairs in flight;
+no rendezvous slot leaks; error messages.
+
+Every per-device buffer stays <= 512 bytes (see test_collectives.py's docstring: above that
+XLA:CPU may run independent custom calls concurrently).
+"""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("PJRT_NPROC", "16")
+
+import re  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jax_hoccl as hc  # noqa: E402
+from jax_hoccl import _hoccl  # noqa: E402
+
+CPUS = jax.devices("cpu")
+MESH1 = jax.make_mesh((8,), ("x",), devices=CPUS[:8])
+MESH2 = jax.make_mesh((2, 4), ("x", "y"), devices=CPUS[:8])
+
+CASES = [
+    pytest.param(MESH1, "x", id="1d-x"),
+    pytest.param(MESH2, "y", id="2d-y"),
+    pytest.param(MESH2, ("x", "y"), id="2d-xy"),
+]
+DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
+CHECK_VMA = [pytest.param(True, id="vma"), pytest.param(False, id="novma")]
+
+M, K = 8, 2  # local x: [8, 2]; the gathered f32 result is 8 * 8 * 2 * 4 = 512 bytes
+
+
+def spec_all(mesh):
+  names = tuple(mesh.axis_names)
+  return P(names if len(names) > 1 else names[0])
+
+
+def put(mesh, a, spec=None):
+  return jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec_all(mesh) if spec is None
+                                                      else spec))
+
+
+def rand(rng, shape, dtype):
+  a = rng.standard_normal(shape).astype(np.float32)
+  a[a == 0] = 0.5
+  return jnp.asarray(a).astype(dtype)
+
+
+def axis_size(mesh, ax):
+  names = ax if isinstance(ax, tuple) else (ax,)
+  return int(np.prod([mesh.shape[a] for a in names]))
+
+
+def to_np(a):
+  return np.asarray(jax.device_get(a))
+
+
+def sds(shape, dtype=jnp.float32, mesh=MESH1):
+  """An abstract input sharded over the mesh's axes on dim 0 (for trace-only tests)."""
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec_all(mesh)))
+
+
+def smap(mesh, f, check_vma, in_specs=None, out_specs=None):
+  s = spec_all(mesh)
+  return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=s if in_specs is None else in_specs,
+                               out_specs=s if out_specs is None else out_specs,
+                               check_vma=check_vma))
+
+
+# ------------------------------------------------------------------------------------------
+# values and typing vs jax.lax
+# ------------------------------------------------------------------------------------------
+
+def _perms(n):
+  rng = np.random.default_rng(n)
+  shuffled = rng.permutation(n)
+  return {
+      "shift1": [(i, (i + 1) % n) for i in range(n)],
+      "shuffle": [(i, int(shuffled[i])) for i in range(n)],
+      "partial": [(0, n - 1), (n - 1, 1), (1, 2)] if n > 2 else [(0, 1)],
+  }
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("check_vma", CHECK_VMA)
+@pytest.mark.parametrize("mesh,ax", CASES)
+def test_pairs_match_lax(mesh, ax, check_vma, dtype):
+  """Every start/done variant equals jax.lax's collective bit for bit, with the same type."""
+  n = axis_size(mesh, ax)
+  perms = _perms(n)
+  rng = np.random.default_rng(1)
+  x = put(mesh, rand(rng, (8 * M, K), dtype))
+  types = {}
+
+  def ours(x):
+    o = {}
+    for tiled in (True, False):
+      for axis in (0, 1):
+        o[f"ag_t{int(tiled)}_a{axis}"] = hc.done(
+            hc.all_gather_start(x, ax, axis=axis, tiled=tiled))[0]
+    o["ag_peers"] = hc.done(hc.all_gather_start(x, ax, peers_only=True))[0]
+    o["a2a_tiled"] = hc.done(hc.all_to_all_start(x, ax))[0]
+    o["a2a_untiled"] = hc.done(hc.all_to_all_start(x[:n], ax, tiled=False))[0]
+    for name, perm in perms.items():
+      o[f"pp_{name}"] = hc.done(hc.ppermute_start(x, ax, perm))[0]
+    return o
+
+  def lax(x):
+    o = {}
+    for tiled in (True, False):
+      for axis in (0, 1):
+        o[f"ag_t{int(tiled)}_a{axis}"] = jax.lax.all_gather(x, ax, axis=axis, tiled=tiled)
+    gathered = jax.lax.all_gather(x, ax)  # [n, M, K], index j = rank j's x
+    r = jax.lax.axis_index(ax)
+    o["ag_peers"] = jnp.take(gathered, (r + 1 + jnp.arange(n - 1)) % n, axis=0)
+    o["a2a_tiled"] = jax.lax.all_to_all(x, ax, 0, 0, tiled=True)
+    o["a2a_untiled"] = jax.lax.all_to_all(x[:n], ax, 0, 0, tiled=False)
+    for name, perm in perms.items():
+      o[f"pp_{name}"] = jax.lax.ppermute(x, ax, perm)
+    return o
+
+  def body(x):
+    a, b = ours(x), lax(x)
+    types["ours"] = {k: jax.typeof(v) for k, v in a.items()}
+    types["lax"] = {k: jax.typeof(v) for k, v in b.items()}
+    return a, b
+
+  got, ref = smap(mesh, body, check_vma)(x)
+  assert set(got) == set(ref)
+  for k in ref:
+    a, b = to_np(got[k]), to_np(ref[k])
+    assert a.dtype == b.dtype == np.dtype(dtype), (k, a.dtype, b.dtype)
+    assert a.shape == b.shape, (k, a.shape, b.shape)
+    np.testing.assert_array_equal(a, b, err_msg=k)
+    assert str(types["ours"][k]) == str(types["lax"][k]), (k, types["ours"][k],
+                                                           types["lax"][k])
+  # Non-trivial data: the movers really moved something (a gather is not the input tiled).
+  assert not np.array_equal(to_np(got["pp_shift1"]), to_np(x))
+  # Partial permutation: ranks that receive nothing get zeros, like jax.lax.
+  assert (to_np(got["pp_partial"]) == 0).any()
+
+
+def test_peers_only_rotation_explicit():
+  """peers_only block k on rank r is rank (r+1+k) % n's x, checked against numpy directly
+  (not through jax.lax) on the 1-D mesh."""
+  n = 8
+  rng = np.random.default_rng(2)
+  xg = rng.standard_normal((n * 2, 3)).astype(np.float32)
+  f = smap(MESH1, lambda x: hc.done(hc.all_gather_start(x, "x", peers_only=True))[0][None],
+           True)
+  got = to_np(f(put(MESH1, xg)))  # [n, n-1, 2, 3]
+  shards = xg.reshape(n, 2, 3)
+  assert got.shape == (n, n - 1, 2, 3)
+  for r in range(n):
+    for k in range(n - 1):
+      np.testing.assert_array_equal(got[r, k], shards[(r + 1 + k) % n], err_msg=f"r={r} k={k}")
+
+
+# ------------------------------------------------------------------------------------------
+# The schedule XLA compiles
+# ------------------------------------------------------------------------------------------
+
+def parse_hlo(text):
+  """{computation name: [instruction dicts in schedule order]}; an instruction has name,
+  opcode, operands (names), line, calls (the computations it calls), is_root."""
+  comps, cur, entry = {}, None, None
+  for line in text.splitlines():
+    s = line.strip()
+    if cur is None:
+      if s.endswith("{") and ("(" in s or s.startswith("ENTRY") or re.match(r"^[\w.\-%]+ \{$", s)):
+        m = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)", s)
+        if m and not s.startswith("HloModule"):
+          cur = m.group(2)
+          comps[cur] = []
+          if m.group(1):
+            entry = cur
+      continue
+    if s == "}":
+      cur = None
+      continue
+    inst = _parse_instruction(s)
+    if inst:
+      comps[cur].append(inst)
+  return comps, entry
+
+
+def _matching(s, i):
+  """Index just after the bracket group opening at s[i]."""
+  depth = 0
+  for j in range(i, len(s)):
+    if s[j] in "([{":
+      depth += 1
+    elif s[j] in ")]}":
+      depth -= 1
+      if depth == 0:
+        return j + 1
+  return len(s)
+
+
+def _parse_instruction(s):
+  m = re.match(r"^(ROOT\s+)?%?([\w.\-]+)\s*=\s*", s)
+  if not m:
+    return None
+  rest = s[m.end():]
+  # the result type: a tuple "(...)" or one token like f32[8,4]{1,0}
+  i = _matching(rest, 0) if rest.startswith("(") else rest.index(" ")
+  rest = rest[i:].lstrip()
+  om = re.match(r"^([\w\-]+)\(", rest)
+  if not om:
+    return None
+  end = _matching(rest, om.end() - 1)
+  args = rest[om.end():end - 1]
+  operands = []
+  depth, cur = 0, ""
+  for ch in args + ",":
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    if ch == "," and depth == 0:
+      if cur.strip():
+        operands.append(cur.strip().split()[-1].lstrip("%"))
+      cur = ""
+    else:
+      cur += ch
+  calls = re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", rest[end:])
+  target = re.search(r'custom_call_target="([^"]+)"', rest[end:])
+  return dict(name=m.group(2), opcode=om.group(1), operands=operands, line=s,
+              calls=calls, target=target.group(1) if target else None,
+              is_root=bool(m.group(1)))
+
+
+def _contains_dot(comps, comp_name, seen=()):
+  for inst in comps.get(comp_name, []):
+    if inst["opcode"] == "dot" or (inst["opcode"] == "custom-call" and
+                                   "matmul" in (inst["target"] or "").lower()):
+      return True
+    for c in inst["calls"]:
+      if c not in seen and _contains_dot(comps, c, seen + (comp_name,)):
+        return True
+  return False
+
+
+def find_schedule(text):
+  """(computation, its instructions, index of start, of the dot-computing instruction, of
+  done) in the computation that holds hoccl_all_gather_start."""
+  comps, _ = parse_hlo(text)
+  for cname, insts in comps.items():
+    starts = [i for i, x in enumerate(insts) if x["target"] == "hoccl_all_gather_start"]
+    if not starts:
+      continue
+    dones = [i for i, x in enumerate(insts) if x["target"] == "hoccl_done"]
+    dots = [i for i, x in enumerate(insts)
+            if x["opcode"] == "dot" or
+            (x["opcode"] in ("fusion", "call", "custom-call") and x["target"] != "hoccl_done"
+             and x["target"] != "hoccl_all_gather_start" and
+             (any(_contains_dot(comps, c) for c in x["calls"]) or
+              "matmul" in (x["target"] or "").lower()))]
+    assert len(starts) == 1 and len(dones) == 1 and len(dots) == 1, (starts, dones, dots)
+    return comps, cname, insts, starts[0], dots[0], dones[0]
+  raise AssertionError("no hoccl_all_gather_start in the module")
+
+
+def order_forced(pre_opt_text):
+  """In the HLO *before* XLA's optimisations (jax's lowering; XLA:CPU removes opt-barriers
+  after scheduling, keeping the schedule but not the edge): is start -> dot -> done forced
+  by data dependencies? The dot's lhs must be a get-tuple-element of an opt-barrier whose
+  operand tuple holds start's token, and done must take the dot's result."""
+  comps, cname, insts, i_start, i_dot, i_done = find_schedule(pre_opt_text)
+  by = {x["name"]: x for x in insts}
+  start, dot, done = insts[i_start], insts[i_dot], insts[i_done]
+  lhs = by.get(dot["operands"][0])
+  through_barrier = False
+  if lhs is not None and lhs["opcode"] == "get-tuple-element":
+    barrier = by.get(lhs["operands"][0])
+    if barrier is not None and barrier["opcode"] == "opt-barrier":
+      tup = by.get(barrier["operands"][0])
+      members = tup["operands"] if tup is not None and tup["opcode"] == "tuple" else []
+      for m in members:
+        g = by.get(m)
+        if (g is not None and g["opcode"] == "get-tuple-element" and
+            g["operands"][0] == start["name"] and "index=1" in g["line"]):
+          through_barrier = True
+  done_waits_for_dot = dot["name"] in done["operands"]
+  return through_barrier, done_waits_for_dot
+
+
+W_SHAPE = (K, 4)
+
+
+def _sched_fns():
+  def forced(x, w):
+    p = hc.all_gather_start(x, "x", tiled=True)
+    y = p.input @ w
+    g, y = hc.done(p, y)
+    return g, y
+
+  def unforced(x, w):
+    p = hc.all_gather_start(x, "x", tiled=True)
+    y = x @ w  # on x, not p.input; y not passed to done
+    g, = hc.done(p)
+    return g, y
+
+  return forced, unforced
+
+
+@pytest.mark.parametrize("check_vma", CHECK_VMA)
+def test_schedule_start_compute_done(check_vma):
+  """Compiled, scheduled HLO: start, then the dot (or the fusion computing it), then done;
+  done takes the dot's result; no copy of x. The pre-optimisation HLO shows the edges that
+  force it (dot reads x through the opt-barrier with start's token); with the dependency
+  removed the same helper reports the order as not forced."""
+  rng = np.random.default_rng(3)
+  x = put(MESH1, rand(rng, (8 * M, K), jnp.float32))
+  w = put(MESH1, rand(rng, W_SHAPE, jnp.float32), P())
+  forced, unforced = _sched_fns()
+  # the gather is varying (to="varying"): each device's copy is one block of the output
+  specs = dict(in_specs=(P("x"), P()), out_specs=(P("x"), P("x")))
+  f = smap(MESH1, forced, check_vma, **specs)
+  lowered = f.lower(x, w)
+  hlo = lowered.compile().as_text()
+  try:
+    comps, cname, insts, i_start, i_dot, i_done = find_schedule(hlo)
+    assert i_start < i_dot < i_done, (i_start, i_dot, i_done)
+    dot, done = insts[i_dot], insts[i_done]
+    assert dot["name"] in done["operands"], (dot["name"], done["operands"])
+    # x (the parameter the start reads) is not copied anywhere
+    x_name = insts[i_start]["operands"][0]
+    copies = [i for i in insts if i["opcode"] == "copy"]
+    assert not any(x_name in c["operands"] for c in copies), copies
+    assert not any(" copy(" in i["line"] for c in comps.values() for i in c), "copy in HLO"
+    # done's outputs alias its inputs (buffer 0 and the dot's result): no copy there either
+    assert "output_to_operand_aliasing" in done["line"]
+  except AssertionError:
+    print(hlo)
+    raise
+  pre = lowered.as_text(dialect="hlo")
+  try:
+    assert order_forced(pre) == (True, True)
+  except AssertionError:
+    print(pre)
+    raise
+  # Negative control: the helper sees that nothing forces the order any more.
+  g = smap(MESH1, unforced, check_vma, **specs)
+  lowered_u = g.lower(x, w)
+  pre_u = lowered_u.as_text(dialect="hlo")
+  try:
+    assert order_forced(pre_u) == (False, False)
+    _, _, insts_u, _, i_dot_u, i_done_u = find_schedule(lowered_u.compile().as_text())
+    assert insts_u[i_dot_u]["name"] not in insts_u[i_done_u]["operands"]
+  except AssertionError:
+    print(pre_u)
+    raise
+  # and both compute the right thing
+  for fn in (f, g):
+    gathered, y = fn(x, w)
+    np.testing.assert_array_equal(to_np(gathered)[:8 * M], to_np(x))
+    np.testing.assert_allclose(to_np(y), to_np(x) @ to_np(w), rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# Several pairs in flight; slot leaks
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mesh,ax", [CASES[0], CASES[1]])
+def test_multiple_pairs_in_flight(mesh, ax):
+  """Two starts, compute on both inputs, then the dones in reverse order: each result is
+  jax.lax's, and the compute results pass through done unchanged."""
+  n = axis_size(mesh, ax)
+  rng = np.random.default_rng(4)
+  x1 = put(mesh, rand(rng, (8 * M, K), jnp.float32))
+  x2 = put(mesh, rand(rng, (8 * M, K), jnp.float32))
+  w = put(mesh, rand(rng, (K, 3), jnp.float32), P())
+  perm = [(i, (i + 3) % n) for i in range(n)]
+
+  def body(x1, x2, w):
+    p = hc.all_gather_start(x1, ax, tiled=True)
+    q = hc.ppermute_start(x2, ax, perm)
+    y1 = p.input @ w
+    y2 = q.input @ w
+    b, y2 = hc.done(q, y2)
+    a, y1 = hc.done(p, y1)
+    ref = (jax.lax.all_gather(x1, ax, tiled=True), jax.lax.ppermute(x2, ax, perm),
+           x1 @ w, x2 @ w)
+    return (a, b, y1, y2), ref
+
+  s = spec_all(mesh)
+  f = smap(mesh, body, True, in_specs=(s, s, P()), out_specs=s)
+  got, ref = f(x1, x2, w)
+  for i, (a, b) in enumerate(zip(got, ref)):
+    np.testing.assert_array_equal(to_np(a), to_np(b), err_msg=str(i))
+
+
+def test_no_slot_leak_after_300_launches():
+  """300 launches of a jitted start/done program leave no rendezvous slot behind, and the
+  last launch is still correct."""
+  rng = np.random.default_rng(5)
+  x = put(MESH1, rand(rng, (8 * M, K), jnp.float32))
+
+  def body(x):
+    p = hc.all_gather_start(x, "x", tiled=True)
+    y = p.input * 2
+    g, y = hc.done(p, y)
+    q = hc.all_to_all_start(y, "x")
+    return g, hc.done(q)[0]
+
+  f = smap(MESH1, body, True, out_specs=(P("x"), P("x")))
+  ref = smap(MESH1, lambda x: (jax.lax.all_gather(x, "x", tiled=True),
+                               jax.lax.all_to_all(x * 2, "x", 0, 0, tiled=True)), True,
+             out_specs=(P("x"), P("x")))(x)
+  out = None
+  for _ in range(300):
+    out = f(x)
+  jax.block_until_ready(out)
+  for a, b in zip(out, ref):
+    np.testing.assert_array_equal(to_np(a), to_np(b))
+  assert _hoccl.live_slot_count() == 0
+
+
+# ------------------------------------------------------------------------------------------
+# Errors
+# ------------------------------------------------------------------------------------------
+
+def test_done_of_non_pending_raises_type_error():
+  with pytest.raises(TypeError, match="done"):
+    hc.done(jnp.ones(3))
+
+  def body(x):
+    return hc.done((x, x))[0]
+
+  with pytest.raises(TypeError, match="done"):
+    jax.eval_shape(jax.shard_map(body, mesh=MESH1, in_specs=P("x"), out_specs=P("x")),
+                   sds((16, 2)))
+
+
+@pytest.mark.parametrize("tiled,rows", [(True, 6), (False, 16)])
+def test_all_to_all_start_bad_leading_dim(tiled, rows):
+  """Leading dim 6 does not split into 8 blocks; untiled needs exactly 8 rows (got 2 local)."""
+  f = jax.shard_map(lambda x: hc.done(hc.all_to_all_start(x, "x", tiled=tiled))[0],
+                    mesh=MESH1, in_specs=P("x"), out_specs=P("x"))
+  local = rows // 8 if not tiled else rows
+  with pytest.raises(ValueError, match="all_to_all_start"):
+    jax.eval_shape(f, sds((8 * local, 2)))
+
+
+@pytest.mark.parametrize("start", [
+    lambda x: hc.all_gather_start(x, "x"),
+    lambda x: hc.all_to_all_start(x, "x"),
+    lambda x: hc.ppermute_start(x, "x", [(0, 1)]),
+], ids=["all_gather", "all_to_all", "ppermute"])
+def test_start_outside_shard_map(start):
+  x = jnp.ones((8, 2), jnp.float32)
+  with pytest.raises(ValueError, match="outside jax.shard_map"):
+    start(x)
+  with pytest.raises(ValueError, match="outside jax.shard_map"):
+    jax.jit(start)(x)
+
+
+def test_start_unknown_axis():
+  f = jax.shard_map(lambda x: hc.done(hc.all_gather_start(x, "nope"))[0], mesh=MESH1,
+                    in_specs=P("x"), out_specs=P("x"))
+  with pytest.raises(ValueError, match="nope"):
+    jax.eval_shape(f, sds((16, 2)))
