@@ -1,7 +1,7 @@
 #include "communicator.h"
 
 #include <cstdlib>
-#include <sstream>
+#include <cstdio>
 
 namespace hoccl {
 
@@ -12,6 +12,15 @@ double TimeoutSeconds() {
     if (t > 0) return t;
   }
   return 300.0;
+}
+
+// Messages are built with std::string + snprintf, not iostreams: iostreams need the locale
+// machinery of libstdc++, which crashed (null facet) inside XLA's handler threads on the GPU
+// machine when the extension carried its own static libstdc++ next to the process's shared one.
+static std::string Seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", s);
+  return buf;
 }
 
 Communicator::Communicator(std::string key, std::vector<int64_t> device_ids)
@@ -46,9 +55,7 @@ void Communicator::Arrive(uint64_t seq, int rank, const void* input, void* outpu
 }
 
 std::string Communicator::Describe(int rank) const {
-  std::ostringstream o;
-  o << "rank " << rank << " (device " << device_ids_[rank] << ")";
-  return o.str();
+  return "rank " + std::to_string(rank) + " (device " + std::to_string(device_ids_[rank]) + ")";
 }
 
 std::string Communicator::Fail(const std::string& msg) {
@@ -74,15 +81,15 @@ std::string Communicator::WaitArrived(uint64_t seq, int rank, int peer, const ch
   while (!s->arrived[peer]) {
     if (!broken_.empty()) return broken_;
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !s->arrived[peer]) {
-      std::ostringstream o;
-      o << "jax_hoccl " << op << ": " << Describe(rank) << " of group [" << key_
-        << "] timed out after " << TimeoutSeconds() << " s (JAX_HOCCL_TIMEOUT_S) at call #"
-        << seq << " waiting for missing peer(s):";
+      std::string o = std::string("jax_hoccl ") + op + ": " + Describe(rank) + " of group [" +
+                      key_ + "] timed out after " + Seconds(TimeoutSeconds()) +
+                      " s (JAX_HOCCL_TIMEOUT_S) at call #" + std::to_string(seq) +
+                      " waiting for missing peer(s):";
       for (int p = 0; p < size(); ++p)
-        if (!s->arrived[p]) o << " " << Describe(p) << ";";
-      o << " every peer must call the same collectives in the same order. This communicator"
+        if (!s->arrived[p]) o += " " + Describe(p) + ";";
+      o += " every peer must call the same collectives in the same order. This communicator"
            " is now unusable; restart the process.";
-      return Fail(o.str());
+      return Fail(o);
     }
     s = &SlotFor(seq);
   }
@@ -127,12 +134,11 @@ std::string Communicator::WaitDone(uint64_t seq, int owner, int reader, const ch
   while (!SlotFor(seq).done[idx]) {
     if (!broken_.empty()) return broken_;
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !SlotFor(seq).done[idx]) {
-      std::ostringstream o;
-      o << "jax_hoccl " << op << ": " << Describe(owner) << " of group [" << key_
-        << "] timed out after " << TimeoutSeconds() << " s at call #" << seq
-        << " waiting for " << Describe(reader)
-        << " to finish reading its input. This communicator is now unusable; restart the process.";
-      return Fail(o.str());
+      return Fail(std::string("jax_hoccl ") + op + ": " + Describe(owner) + " of group [" + key_ +
+                  "] timed out after " + Seconds(TimeoutSeconds()) + " s at call #" +
+                  std::to_string(seq) + " waiting for " + Describe(reader) +
+                  " to finish reading its input. This communicator is now unusable; restart the"
+                  " process.");
     }
   }
   return "";
@@ -159,15 +165,15 @@ std::string Communicator::ExchangeSetup(const std::string& name, int rank, void*
   while (missing()) {
     if (!broken_.empty()) return broken_;
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && missing()) {
-      std::ostringstream o;
-      o << "jax_hoccl " << op << ": " << Describe(rank) << " of group [" << key_
-        << "] timed out after " << TimeoutSeconds() << " s (JAX_HOCCL_TIMEOUT_S) in the"
-        << " one-time setup (" << name << ") waiting for missing peer(s):";
+      std::string o = std::string("jax_hoccl ") + op + ": " + Describe(rank) + " of group [" +
+                      key_ + "] timed out after " + Seconds(TimeoutSeconds()) +
+                      " s (JAX_HOCCL_TIMEOUT_S) in the one-time setup (" + name +
+                      ") waiting for missing peer(s):";
       for (int p = 0; p < n; ++p)
-        if (!e.published[p]) o << " " << Describe(p) << ";";
-      o << " every peer must call the same collectives in the same order. This communicator"
+        if (!e.published[p]) o += " " + Describe(p) + ";";
+      o += " every peer must call the same collectives in the same order. This communicator"
            " is now unusable; restart the process.";
-      return Fail(o.str());
+      return Fail(o);
     }
   }
   *all = e.values;
@@ -188,12 +194,12 @@ static std::map<std::string, std::unique_ptr<Communicator>>& Registry() {
 }
 
 Communicator& GetCommunicator(const std::string& platform, const std::vector<int64_t>& ids) {
-  std::ostringstream k;
-  for (size_t i = 0; i < ids.size(); ++i) k << (i ? "," : "") << ids[i];
-  std::string key = platform + ":" + k.str();
+  std::string ids_text;
+  for (size_t i = 0; i < ids.size(); ++i) ids_text += (i ? "," : "") + std::to_string(ids[i]);
+  std::string key = platform + ":" + ids_text;
   std::lock_guard<std::mutex> lock(g_registry_mu);
   auto& slot = Registry()[key];
-  if (!slot) slot = std::make_unique<Communicator>(k.str(), ids);
+  if (!slot) slot = std::make_unique<Communicator>(ids_text, ids);
   return *slot;
 }
 

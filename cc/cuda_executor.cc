@@ -1,5 +1,7 @@
 #include "cuda_executor.h"
 
+// No iostreams in this file (nor in the communicator): see the note in communicator.cc.
+
 #include <cuda.h>
 
 #include <algorithm>
@@ -11,7 +13,6 @@
 #include <memory>
 #include <mutex>
 #include <set>
-#include <sstream>
 #include <utility>
 
 #include "driver_api.h"
@@ -118,16 +119,12 @@ void DirectTransport::Release(uint64_t seq, int rank) { comm_.Leave(seq, rank); 
 namespace {
 
 std::string Prefix(const OpSpec& spec, int device) {
-  std::ostringstream o;
-  o << "jax_hoccl " << OpName(spec.op) << " (rank " << spec.rank << ", CUDA device " << device
-    << "): ";
-  return o.str();
+  return std::string("jax_hoccl ") + OpName(spec.op) + " (rank " + std::to_string(spec.rank) +
+         ", CUDA device " + std::to_string(device) + "): ";
 }
 
 std::string CudaError(const char* call, cudaError_t e) {
-  std::ostringstream o;
-  o << call << " failed: " << cudaGetErrorName(e) << ": " << cudaGetErrorString(e);
-  return o.str();
+  return std::string(call) + " failed: " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
 }
 
 #define HOCCL_CUDA_RETURN(call)                                  \
@@ -256,10 +253,9 @@ std::string EnablePeerAccess(int device, int peer) {
   int can = 0;
   HOCCL_CUDA_RETURN(cudaDeviceCanAccessPeer(&can, device, peer));
   if (!can) {
-    std::ostringstream o;
-    o << "CUDA device " << device << " cannot access device " << peer
-      << " as a peer (no NVLink/PCIe P2P); the copy-engine collectives need peer access";
-    return o.str();
+    return "CUDA device " + std::to_string(device) + " cannot access device " +
+           std::to_string(peer) +
+           " as a peer (no NVLink/PCIe P2P); the copy-engine collectives need peer access";
   }
   cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
   if (e == cudaErrorPeerAccessAlreadyEnabled) {
@@ -294,9 +290,7 @@ std::string SetupRank(RankState& st, PeerTransport& transport, const OpSpec& spe
   if (!xerr.empty()) return xerr;
   for (int q = 0; q < n; ++q) {
     if (!all[q]) {
-      std::ostringstream o;
-      o << "rank " << q << " of the group failed its one-time setup (see its error)";
-      return o.str();
+      return "rank " + std::to_string(q) + " of the group failed its one-time setup (see its error)";
     }
     if (q == spec.rank) continue;
     cudaPointerAttributes attr;
@@ -428,11 +422,6 @@ std::string EnqueueMultiStream(const CallContext& c, DeviceResources& res) {
 }
 
 std::string CurrentDevice(cudaStream_t stream, int* device) {
-  static const bool use_current = std::getenv("JAX_HOCCL_NO_STREAM_DEVICE") != nullptr;
-  if (use_current) {
-    HOCCL_CUDA_RETURN(cudaGetDevice(device));
-    return "";
-  }
 #if CUDART_VERSION >= 12080
   HOCCL_CUDA_RETURN(cudaStreamGetDevice(stream, device));
   int current = -1;

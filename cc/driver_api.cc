@@ -3,7 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <mutex>
-#include <sstream>
+#include <string>
 
 namespace hoccl {
 
@@ -30,15 +30,13 @@ std::string Resolve(const char* name, Fn* out) {
       cudaGetDriverEntryPointByVersion(name, &fn, kDriverAbiVersion, cudaEnableDefault, &status);
   if (err != cudaSuccess) {
     cudaGetLastError();  // do not leave a sticky-looking error for the next runtime call
-    std::ostringstream o;
-    o << "cudaGetDriverEntryPointByVersion(" << name << ") failed: " << cudaGetErrorName(err)
-      << ": " << cudaGetErrorString(err) << " (is an NVIDIA driver for CUDA >= 12 installed?)";
-    return o.str();
+    return std::string("cudaGetDriverEntryPointByVersion(") + name + ") failed: " +
+           cudaGetErrorName(err) + ": " + cudaGetErrorString(err) +
+           " (is an NVIDIA driver for CUDA >= 12 installed?)";
   }
   if (status != cudaDriverEntryPointSuccess || fn == nullptr) {
-    std::ostringstream o;
-    o << "CUDA driver entry point " << name << " unavailable: " << QueryResultName(status);
-    return o.str();
+    return std::string("CUDA driver entry point ") + name + " unavailable: " +
+           QueryResultName(status);
   }
   *out = reinterpret_cast<Fn>(fn);
   return "";
@@ -47,12 +45,11 @@ std::string Resolve(const char* name, Fn* out) {
 }  // namespace
 
 std::string DriverApi::Describe(const char* call, CUresult result) const {
-  std::ostringstream o;
-  o << call << " failed: CUresult " << static_cast<int>(result);
+  std::string o = std::string(call) + " failed: CUresult " + std::to_string(static_cast<int>(result));
   const char* text = nullptr;
   if (get_error_string && get_error_string(result, &text) == CUDA_SUCCESS && text)
-    o << ": " << text;
-  return o.str();
+    o += std::string(": ") + text;
+  return o;
 }
 
 const DriverApi& GetDriverApi() {

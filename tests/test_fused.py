@@ -1,15 +1,22 @@
 """The fused matmul-collective ops vs their unfused jax.lax definitions: values (float32
 tight, bfloat16 loose vs lax in float32), typing, gradients (through shard_map under jit,
-check_vma True and False, replicated weights), and input errors, on a 2x4 mesh ('dp', 'tp')
-with tp=4 and a 4x2 mesh with tp=2. The data differs across 'dp' too, so a group mix-up
-(a rank exchanging with the wrong dp row) changes the result.
+check_vma True and False, replicated weights), no fallback to XLA's collectives, and input
+errors, on a 2x4 mesh ('dp', 'tp') with tp=4 and a 4x2 mesh with tp=2. The data differs
+across 'dp' too, so a group mix-up (a rank exchanging with the wrong dp row) changes the
+result.
 
-Per-device buffers stay <= 512 bytes (see test_collectives.py's docstring).
+Per-device buffers stay <= 512 bytes (compile_sequential checks it; see test_collectives.py's
+docstring). Each of the value and gradient tests shares one compiled program per mesh,
+dtype and check_vma with the other cases (the runtime budget), cached by lru_cache.
 """
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("PJRT_NPROC", "16")
+
+import functools  # noqa: E402
+import re  # noqa: E402
+import zlib  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -63,6 +70,26 @@ def assert_close(got, ref, dtype, name=""):
   assert np.abs(b).max() > 0, name  # the comparison is not vacuous
 
 
+_BUFFER_LIMIT = 512  # XLA:CPU runs a program's thunks in order only if all buffers are <= this
+_SHAPE = re.compile(r"\b(pred|[su](?:8|16|32|64)|bf16|f16|f32|f64|c64|c128)\[([\d,]*)\]")
+_BYTES = {"pred": 1, "bf16": 2, "f16": 2, "c64": 8, "c128": 16}
+
+
+def compile_sequential(fn, *args):
+  """jax.jit(fn) compiled for args, after checking that no per-device buffer of the program
+  exceeds 512 bytes: above that XLA:CPU's ThunkExecutor runs independent thunks concurrently,
+  in a different order on each rank, which jax_hoccl's per-rank sequence numbers (and any
+  mix with XLA's own collectives) do not survive. A failure here means: shrink the shapes."""
+  compiled = jax.jit(fn).lower(*args).compile()
+  text = compiled.as_text()
+  entry = text[text.index("ENTRY"):]
+  for m in _SHAPE.finditer(entry):
+    dt, dims = m.group(1), [int(v) for v in m.group(2).split(",") if v]
+    nbytes = int(np.prod(dims)) * _BYTES.get(dt, int(re.sub(r"\D", "", dt) or 8) // 8)
+    assert nbytes <= _BUFFER_LIMIT, f"test shapes too large: {m.group(0)} is {nbytes} bytes"
+  return compiled
+
+
 # ------------------------------------------------------------------------------------------
 # Cases. Each builds global inputs (different on every dp row) and returns
 #   args, in_specs, out_specs, ours(*local args) -> {name: out}, lax(*local args) -> same.
@@ -70,12 +97,12 @@ def assert_close(got, ref, dtype, name=""):
 
 def case_agmm(mesh, dtype, rng, replicated_w=False):
   n, d = mesh.shape["tp"], mesh.shape["dp"]
-  x = put(mesh, rand(rng, (n * 2, d * 2, 8), dtype), P("tp", "dp", None))  # local [2, 2, 8]
+  x = put(mesh, rand(rng, (n * 2, d * 2, 4), dtype), P("tp", "dp", None))  # local [2, 2, 4]
   if replicated_w:
-    w = put(mesh, rand(rng, (8, 3), dtype), P())
+    w = put(mesh, rand(rng, (4, 3), dtype), P())
     out = P("tp", "dp", None)  # all_gather output is varying over tp, like lax's
   else:
-    w = put(mesh, rand(rng, (8, n * 3), dtype), P(None, "tp"))  # local [8, 3]
+    w = put(mesh, rand(rng, (4, n * 3), dtype), P(None, "tp"))  # local [4, 3]
     out = P(None, "dp", "tp")
   ours = lambda x, w: {"out": hc.all_gather_matmul(x, w, "tp")}
   lax = lambda x, w: {"out": jax.lax.all_gather(x, "tp", tiled=True) @ w}
@@ -133,17 +160,21 @@ def case_mma2a(mesh, dtype, rng):
   return (x, w), (x.sharding.spec, w.sharding.spec), P("tp", None, "dp", None), ours, lax
 
 
-def case_ema2a(mesh, dtype, rng):
+def case_ema2a(mesh, dtype, rng, replicated_table=False):
   n, d = mesh.shape["tp"], mesh.shape["dp"]
   V, D, B, L = 6, 3, 2, 3
-  table = put(mesh, rand(rng, (n * V, d * D), dtype), P("tp", "dp"))  # local [V, D]
+  if replicated_table:  # the same table on every dp row; the ids still differ
+    table = put(mesh, rand(rng, (n * V, D), dtype), P("tp", None))
+  else:
+    table = put(mesh, rand(rng, (n * V, d * D), dtype), P("tp", "dp"))  # local [V, D]
   ids = rng.integers(0, V, (n * n, d * B, L)).astype(np.int32)
   ids[:, :, 1] = ids[:, :, 0]  # repeated ids in a bag: the table grad must add them up
   ids = put(mesh, ids, P("tp", "dp", None))  # local [n, B, L]
   ours = lambda t, i: {"out": hc.embedding_all_to_all(t, i, "tp")}
   lax = lambda t, i: {"out": jax.lax.all_to_all(jnp.take(t, i, axis=0).sum(-2), "tp", 0, 0,
                                                 tiled=True)}
-  return (table, ids), (P("tp", "dp"), P("tp", "dp", None)), P("tp", "dp", None), ours, lax
+  return ((table, ids), (table.sharding.spec, P("tp", "dp", None)), P("tp", "dp", None),
+          ours, lax)
 
 
 CASES = {
@@ -154,7 +185,40 @@ CASES = {
     "matmul_psum_gemv": case_mmps_gemv,
     "matmul_all_to_all": case_mma2a,
     "embedding_all_to_all": case_ema2a,
+    "embedding_all_to_all_replicated_table":
+        lambda m, dt, r: case_ema2a(m, dt, r, replicated_table=True),
 }
+
+
+def _seed(*key):
+  return zlib.crc32(repr(key).encode())
+
+
+@functools.lru_cache(maxsize=None)
+def run_all_cases(mesh_id, dtype, check_vma):
+  """Runs every case, ours and lax's, in ONE shard_map program (one compile per mesh, dtype
+  and check_vma; the tests below share it): {case: (got, ref, types)}."""
+  mesh, dt = MESHES[mesh_id], DTYPES[dtype]
+  built = {c: make(mesh, dt, np.random.default_rng(_seed(c, mesh_id, dtype)))
+           for c, make in CASES.items()}
+  args = {c: b[0] for c, b in built.items()}
+  in_specs = {c: b[1] for c, b in built.items()}
+  out_specs = {c: b[2] for c, b in built.items()}
+  types = {}
+
+  def body(args):
+    got, ref = {}, {}
+    for c, (_, _, _, ours, lax) in built.items():
+      got[c] = ours(*args[c])
+      types[c] = ({k: jax.typeof(v) for k, v in got[c].items()},
+                  {k: jax.typeof(v) for k, v in lax(*args[c]).items()})  # typing only
+      ref[c] = lax(*f32(args[c]))
+    return got, ref
+
+  f = jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=(out_specs, out_specs),
+                    check_vma=check_vma)
+  got, ref = compile_sequential(f, args)(args)
+  return {c: (got[c], ref[c], types[c]) for c in CASES}
 
 
 @pytest.mark.parametrize("check_vma", CHECK_VMA)
@@ -163,23 +227,180 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_matches_lax(case, mesh_id, dtype, check_vma):
   """ours == the unfused jax.lax definition (f32: tight; bf16: vs lax in f32), same type."""
-  mesh, dt = MESHES[mesh_id], DTYPES[dtype]
-  rng = np.random.default_rng(abs(hash((case, mesh_id))) % 2**32)
-  args, in_specs, out, ours, lax = CASES[case](mesh, dt, rng)
-  types = {}
-
-  def body(*a):
-    o = ours(*a)
-    types["ours"] = {k: jax.typeof(v) for k, v in o.items()}
-    types["lax"] = {k: jax.typeof(v) for k, v in lax(*a).items()}  # typing only (DCE'd)
-    return o, lax(*f32(a))
-
-  # `out` is one spec for every output (a pytree prefix) or a dict of specs
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(out, out),
-                            check_vma=check_vma))
-  got, ref = f(*args)
+  got, ref, (t_ours, t_lax) = run_all_cases(mesh_id, dtype, check_vma)[case]
   assert set(got) == set(ref) and got
   for k in ref:
-    assert_close(got[k], ref[k], dt, name=f"{case}/{k}")
-    assert str(types["ours"][k]) == str(types["lax"][k]), (k, types["ours"][k],
-                                                           types["lax"][k])
+    assert_close(got[k], ref[k], DTYPES[dtype], name=f"{case}/{k}")
+    assert str(t_ours[k]) == str(t_lax[k]), (k, t_ours[k], t_lax[k])
+
+
+# ------------------------------------------------------------------------------------------
+# Gradients
+# ------------------------------------------------------------------------------------------
+
+def _is_diff(a):
+  return jnp.issubdtype(a.dtype, jnp.floating)
+
+
+@functools.lru_cache(maxsize=None)
+def grads_all_cases(mesh_id, check_vma):
+  """jax.grad of sum(sin(out)) w.r.t. every float operand (weights, x, the embedding table;
+  not the ids), through shard_map under jit, for ours and for lax's, every case in one
+  program: {case: (our grads, lax's grads)} (float32)."""
+  mesh = MESHES[mesh_id]
+  built = {c: make(mesh, jnp.float32, np.random.default_rng(_seed(c, mesh_id, "grad")))
+           for c, make in CASES.items()}
+  args = {c: b[0] for c, b in built.items()}
+  in_specs = {c: b[1] for c, b in built.items()}
+  out_specs = {c: b[2] for c, b in built.items()}
+  diff = {c: tuple(a if _is_diff(a) else None for a in args[c]) for c in CASES}
+  nondiff = {c: tuple(None if _is_diff(a) else a for a in args[c]) for c in CASES}
+
+  def loss(which):
+    def body(args):
+      return {c: built[c][3 if which == "ours" else 4](*args[c]) for c in built}
+
+    sm = jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs,
+                       check_vma=check_vma)
+
+    def L(diff, nondiff):
+      merged = {c: tuple(d if d is not None else nd for d, nd in zip(diff[c], nondiff[c]))
+                for c in diff}
+      outs = sm(merged)
+      return sum(jnp.sum(jnp.sin(o)) for o in jax.tree.leaves(outs))
+    return jax.grad(L)
+
+  # Two programs: ours never shares one with XLA's collectives (on XLA:CPU, a program whose
+  # buffers exceed 512 bytes runs independent thunks concurrently, and two rendezvous
+  # systems waiting on each other in different orders on different ranks can deadlock).
+  g_ours = compile_sequential(loss("ours"), diff, nondiff)(diff, nondiff)
+  g_lax = compile_sequential(loss("lax"), diff, nondiff)(diff, nondiff)
+  return {c: (g_ours[c], g_lax[c]) for c in CASES}
+
+
+@pytest.mark.parametrize("check_vma", CHECK_VMA)
+@pytest.mark.parametrize("mesh_id", MESH_IDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_grad_matches_lax(case, mesh_id, check_vma):
+  """d/d(operands) sum(sin(ours)) == the same for lax's definition (embedding: the table)."""
+  ours, lax = grads_all_cases(mesh_id, check_vma)[case]
+  assert len(ours) == len(lax)
+  n_checked = 0
+  for i, (a, b) in enumerate(zip(ours, lax)):
+    assert (a is None) == (b is None), i
+    if a is None:
+      continue
+    assert_close(a, b, jnp.float32, name=f"{case}/grad{i}")
+    n_checked += 1
+  assert n_checked == (1 if case.startswith("embedding_all_to_all") else len(ours))
+
+
+# ------------------------------------------------------------------------------------------
+# Errors
+# ------------------------------------------------------------------------------------------
+
+def _trace(fn, *shapes, axis="tp", mesh_id="tp4"):
+  """Traces fn(*args, axis) inside a shard_map over replicated inputs of these shapes
+  (int32 where the shape is given as ('i', shape))."""
+  mesh = MESHES[mesh_id]
+  sds = []
+  for s in shapes:
+    dt = jnp.float32
+    if s and s[0] == "i":
+      dt, s = jnp.int32, s[1]
+    sds.append(jax.ShapeDtypeStruct(s, dt, sharding=NamedSharding(mesh, P())))
+  f = jax.shard_map(lambda *a: fn(*a, axis), mesh=mesh, in_specs=P(), out_specs=P(),
+                    check_vma=False)
+  return jax.eval_shape(f, *sds)
+
+
+BAD_SHAPES = [  # (op, shapes, what the message must name)
+    ("all_gather_matmul", [(2, 5), (4, 3)], "all_gather_matmul"),
+    ("all_gather_matmul", [(8,), (8, 3)], "all_gather_matmul"),  # 1-D x
+    ("all_gather_matmul", [(2, 4), (4, 3, 1)], "all_gather_matmul"),  # 3-D w
+    ("matmul_reduce_scatter", [(8, 5), (4, 3)], "matmul_reduce_scatter"),
+    ("matmul_reduce_scatter", [(6, 4), (4, 3)], "matmul_reduce_scatter"),  # 6 rows, tp=4
+    ("matmul_psum", [(8, 5), (4, 3)], "matmul_psum"),
+    ("matmul_psum", [(5,), (4, 3)], "matmul_psum"),  # 1-D x with the wrong K
+    ("matmul_all_to_all", [(3, 2, 4), (4, 3)], "matmul_all_to_all"),  # leading 3 != tp=4
+    ("matmul_all_to_all", [(4, 2, 5), (4, 3)], "matmul_all_to_all"),  # K mismatch
+    ("embedding_all_to_all", [(6, 3), ("i", (3, 2, 2))], "embedding_all_to_all"),  # 3 != 4
+    ("embedding_all_to_all", [(6, 3, 1), ("i", (4, 2, 2))], "embedding_all_to_all"),
+]
+
+
+@pytest.mark.parametrize("op,shapes,name", BAD_SHAPES,
+                         ids=[f"{o}-{i}" for i, (o, _, _) in enumerate(BAD_SHAPES)])
+def test_bad_shapes_raise_value_error(op, shapes, name):
+  with pytest.raises(ValueError, match=name):
+    _trace(getattr(hc, op), *shapes)
+
+
+def test_matmul_psum_chunks_must_divide_rows():
+  with pytest.raises(ValueError, match="matmul_psum.*chunks=3"):
+    _trace(lambda x, w, a: hc.matmul_psum(x, w, a, chunks=3), (8, 4), (4, 3))
+
+
+def test_embedding_ids_must_be_integers():
+  with pytest.raises(TypeError, match="embedding_all_to_all"):
+    _trace(hc.embedding_all_to_all, (6, 3), (4, 2, 2))
+
+
+GOOD_SHAPES = {
+    "all_gather_matmul": [(2, 4), (4, 3)],
+    "matmul_reduce_scatter": [(8, 4), (4, 3)],
+    "matmul_psum": [(8, 4), (4, 3)],
+    "matmul_all_to_all": [(4, 2, 4), (4, 3)],
+    "embedding_all_to_all": [(6, 3), ("i", (4, 2, 2))],
+}
+
+
+@pytest.mark.parametrize("op", list(GOOD_SHAPES))
+def test_axis_not_in_mesh(op):
+  """An unknown axis name raises a ValueError naming it; the same call with 'tp' traces."""
+  _trace(getattr(hc, op), *GOOD_SHAPES[op])  # control: valid as written
+  with pytest.raises(ValueError, match="'model'"):
+    _trace(getattr(hc, op), *GOOD_SHAPES[op], axis="model")
+
+
+@pytest.mark.parametrize("op", list(GOOD_SHAPES))
+def test_outside_shard_map(op):
+  args = [jnp.zeros(s[1], jnp.int32) if s[0] == "i" else jnp.ones(s, jnp.float32)
+          for s in GOOD_SHAPES[op]]
+  with pytest.raises(ValueError, match="outside jax.shard_map"):
+    getattr(hc, op)(*args, "tp")
+
+
+# ------------------------------------------------------------------------------------------
+# No fallback to XLA's collectives
+# ------------------------------------------------------------------------------------------
+
+XLA_COLLECTIVES = ("stablehlo.all_gather", "stablehlo.all_reduce", "stablehlo.all_to_all",
+                   "stablehlo.collective_permute", "stablehlo.reduce_scatter",
+                   "stablehlo.collective_broadcast")
+
+
+@pytest.mark.parametrize("check_vma", CHECK_VMA)
+@pytest.mark.parametrize("case", list(CASES))
+def test_lowers_to_hoccl_only(case, check_vma):
+  """Each fused op lowers to jax_hoccl custom calls and none of XLA's own collectives; with
+  check_vma=True its backward too (the mesh has a 'dp' axis that weights are replicated
+  over: their cotangents must be summed with jax_hoccl.psum, not jax.lax.psum). With
+  check_vma=False jax's shard_map transpose itself psums (jax.lax) over the axes an input's
+  in_spec leaves out, so only the forward is checked there. Lowering only, no compile."""
+  mesh = MESHES["tp4"]
+  args, in_specs, out, ours, _ = CASES[case](mesh, jnp.float32, np.random.default_rng(0))
+  sm = jax.shard_map(ours, mesh=mesh, in_specs=in_specs, out_specs=out, check_vma=check_vma)
+  argnums = tuple(i for i, a in enumerate(args) if _is_diff(a))
+
+  def loss(*a):
+    return sum(jnp.sum(jnp.sin(o)) for o in jax.tree.leaves(sm(*a)))
+
+  fns = {"forward": sm}
+  if check_vma:
+    fns["backward"] = jax.grad(loss, argnums=argnums)
+  for what, fn in fns.items():
+    text = jax.jit(fn).lower(*args).as_text()
+    assert "hoccl_" in text
+    bad = [c for c in XLA_COLLECTIVES if c in text]
+    assert not bad, f"{case} {what}: XLA collectives {bad} in the lowered text"

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
-from jax_hoccl._src.fused.matmul_all_to_all import compute_all_to_all
+from jax_hoccl._src.fused.matmul_all_to_all import compute_all_to_all, vary_alike
 from jax_hoccl._src.ops import common
 from jax_hoccl._src.ops.all_to_all import all_to_all
 
@@ -40,7 +40,8 @@ def _ema2a_fwd(table, ids, axis_name):
 def _ema2a_bwd(axis_name, res, ct):
   table, ids = res
   ct = all_to_all(ct, axis_name, 0, 0, tiled=True)
-  _, vjp = jax.vjp(lambda t: pooled_lookup(t, ids), table)
+  table_v, ids, ct = vary_alike(table, ids, ct)
+  _, vjp = jax.vjp(lambda t: pooled_lookup(t, ids), table_v)
   (dtable,) = vjp(ct)
   return common.cotangent_like(dtable, table), None
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.fused import pipeline
 from jax_hoccl._src.ops import common
 from jax_hoccl._src.ops.all_to_all import all_to_all
@@ -22,6 +23,20 @@ def compute_all_to_all(compute, operands, axes, n):
     return compute(0, operands)[None]
   mine, received = pipeline.compute_and_send(compute, operands, axes, n)
   return pipeline.in_rank_order(mine, received, n, axes)
+
+
+def vary_alike(*arrays):
+  """Casts the arrays to vary over the union of their varying manual axes (check_vma=True
+  only). A jax.vjp taken over them then holds no implicit pvary, whose transpose would be
+  jax.lax.psum, i.e. XLA's all-reduce; common.cotangent_like sums with jax_hoccl.psum."""
+  if not ji.check_vma_enabled():
+    return arrays
+  union = frozenset().union(*(ji.varying_axes(jax.typeof(a)) for a in arrays))
+  out = []
+  for a in arrays:
+    missing = tuple(sorted(union - ji.varying_axes(jax.typeof(a)), key=str))
+    out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+  return tuple(out)
 
 
 def _block_matmul(j, operands):
@@ -42,7 +57,8 @@ def _mma2a_fwd(x, w, axis_name):
 def _mma2a_bwd(axis_name, res, ct):
   x, w = res
   ct = all_to_all(ct, axis_name, 0, 0, tiled=True)  # all_to_all is its own transpose
-  _, vjp = jax.vjp(jnp.matmul, x, w)
+  xv, wv, ct = vary_alike(x, w, ct)
+  _, vjp = jax.vjp(jnp.matmul, xv, wv)
   dx, dw = vjp(ct)
   return common.cotangent_like(dx, x), common.cotangent_like(dw, w)
 

@@ -10,10 +10,11 @@ from jax_hoccl._src import jax_internals as ji
 
 def sum_leading(x):
   """Sum over axis 0 as a left fold in rank order (x[0] + x[1] + ...), which XLA fuses into
-  one elementwise pass. bf16/f16 accumulate in f32 and round once. The fixed order makes the
-  result identical on every rank and every run, and bitwise equal to XLA:CPU's own psum."""
+  one elementwise pass. bf16/f16 (and float8) accumulate in f32 and round once. The fixed
+  order makes the result identical on every rank and every run, and bitwise equal to XLA:CPU's
+  own psum."""
   dt = np.dtype(x.dtype)
-  low_precision = dt in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+  low_precision = bool(jnp.issubdtype(dt, jnp.floating)) and dt.itemsize < 4
   acc = x[0].astype(jnp.float32) if low_precision else x[0]
   for i in range(1, x.shape[0]):
     acc = acc + (x[i].astype(jnp.float32) if low_precision else x[i])

@@ -48,11 +48,14 @@ ji.primitive_batchers[ppermute_p] = _batch
 
 
 def check_perm(perm, n, op="ppermute"):
+  """Validates `perm` and returns it with indices in [0, n). Like jax.lax.ppermute, indices
+  are indices into the axis, so -1 is the last rank."""
   perm = tuple((int(s), int(d)) for s, d in perm)
-  srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
-  for i in srcs + dsts:
-    if not 0 <= i < n:
+  for i in (i for pair in perm for i in pair):
+    if not -n <= i < n:
       raise ValueError(f"jax_hoccl.{op}: permutation index {i} is out of range for axis size {n}.")
+  perm = tuple((s % n, d % n) for s, d in perm)
+  srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
   if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
     raise ValueError(f"jax_hoccl.{op}: perm {perm} sends from or to one rank twice.")
   return perm

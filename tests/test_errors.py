@@ -1,0 +1,291 @@
+"""Clear errors: at trace time for misuse (axes, sizes, dtypes, permutations, context), and at
+run time for a peer that never arrives (a timeout naming the op, the rank and the missing
+peers; later calls on that broken communicator fail fast). The runtime cases run in a
+subprocess so that a broken communicator cannot affect the rest of the suite.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import jax_hoccl as hc
+from conftest import MESH1, MESH2, put, rand
+
+X1 = put(MESH1, rand(np.random.default_rng(40), (64, 8), np.float32), P("x"))
+X2 = put(MESH2, rand(np.random.default_rng(41), (64, 8), np.float32), P(("x", "y")))
+
+ALL_OPS = {
+    "psum": lambda x, a, **kw: hc.psum(x, a, **kw),
+    "all_gather": lambda x, a, **kw: hc.all_gather(x, a, **kw),
+    "psum_scatter": lambda x, a, **kw: hc.psum_scatter(x, a, tiled=True, **kw),
+    "all_to_all": lambda x, a, **kw: hc.all_to_all(x, a, 0, 0, tiled=True, **kw),
+    "ppermute": lambda x, a, **kw: hc.ppermute(x, a, [(0, 1)], **kw),
+}
+
+
+def trace(body, mesh=MESH1, x=X1, check_vma=True):
+  spec = P(tuple(mesh.axis_names)) if len(mesh.axis_names) > 1 else P("x")
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
+                               check_vma=check_vma)).trace(x)
+
+
+def out_aval(body, mesh=MESH1, x=X1):
+  spec = P(tuple(mesh.axis_names)) if len(mesh.axis_names) > 1 else P("x")
+  return jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec), x)
+
+
+# ----------------------------------------------------------------------------- axis names
+@pytest.mark.parametrize("op", list(ALL_OPS))
+def test_unknown_axis_names_the_axis(op):
+  """jax.lax raises a bare AssertionError here; ours names the axis and the mesh."""
+  for bad, mesh, x in (("z", MESH1, X1), (("x", "q"), MESH2, X2)):
+    with pytest.raises(ValueError) as e:
+      trace(lambda a: ALL_OPS[op](a, bad), mesh, x)
+    msg = str(e.value)
+    assert f"jax_hoccl.{op}" in msg
+    assert ("'z'" in msg) if bad == "z" else ("'q'" in msg and "'x'" not in msg.split("[")[1])
+    assert "manual axes" in msg
+
+
+@pytest.mark.parametrize("op", list(ALL_OPS))
+def test_empty_or_repeated_axis_name(op):
+  with pytest.raises(ValueError, match="at least one mesh axis"):
+    trace(lambda a: ALL_OPS[op](a, ()))
+  with pytest.raises(ValueError, match="repeats an axis"):
+    trace(lambda a: ALL_OPS[op](a, ("x", "y", "x")), MESH2, X2)
+
+
+@pytest.mark.parametrize("op", list(ALL_OPS))
+def test_outside_shard_map(op):
+  """Under plain jit and eagerly: an error that says to use shard_map."""
+  x = jnp.ones((8, 4))
+  with pytest.raises(ValueError, match=r"outside jax\.shard_map"):
+    jax.jit(lambda a: ALL_OPS[op](a, "x")).trace(x)
+  with pytest.raises(ValueError, match=r"outside jax\.shard_map"):
+    ALL_OPS[op](x, "x")
+
+
+@pytest.mark.parametrize("op", ["psum", "all_gather", "psum_scatter", "all_to_all"])
+def test_axis_index_groups_not_supported(op):
+  with pytest.raises(NotImplementedError, match="axis_index_groups"):
+    trace(lambda a: ALL_OPS[op](a, "x", axis_index_groups=[[0, 1, 2, 3], [4, 5, 6, 7]]))
+
+
+# ---------------------------------------------------------------------------------- sizes
+def test_psum_scatter_sizes():
+  # tiled: the scatter dimension must divide by the group size (3 rows, 8 ranks)
+  with pytest.raises(ValueError, match=r"psum_scatter.*size 3.*divide.*8"):
+    trace(lambda a: hc.psum_scatter(a[:3], "x", tiled=True))
+  with pytest.raises(ValueError, match=r"psum_scatter.*size 7.*divide.*8"):
+    trace(lambda a: hc.psum_scatter(a[:, :7], "x", scatter_dimension=1, tiled=True))
+  # untiled: the scatter dimension must equal the group size
+  with pytest.raises(ValueError, match=r"tiled=False.*must have size 8.*got 16"):
+    trace(lambda a: hc.psum_scatter(jnp.concatenate([a, a]), "x"))
+  with pytest.raises(ValueError, match=r"must have size 4.*got 8"):
+    trace(lambda a: hc.psum_scatter(a, "y", scatter_dimension=1), MESH2, X2)
+  with pytest.raises(ValueError, match="rank >= 1"):
+    trace(lambda a: hc.psum_scatter(a[0, 0], "x"))
+  with pytest.raises(ValueError, match="scatter_dimension=2 is out of range"):
+    trace(lambda a: hc.psum_scatter(a, "x", scatter_dimension=2, tiled=True))
+
+
+def test_all_to_all_sizes():
+  with pytest.raises(ValueError, match=r"all_to_all.*split_axis 1 has size 6.*divide.*8"):
+    trace(lambda a: hc.all_to_all(a[:, :6], "x", 1, 0, tiled=True))
+  with pytest.raises(ValueError, match=r"tiled=False split_axis 0 must have size 8.*got 4"):
+    trace(lambda a: hc.all_to_all(a[:4], "x", 0, 1))
+  with pytest.raises(ValueError, match=r"must have size 2.*got 8"):
+    trace(lambda a: hc.all_to_all(a, "x", 1, 0), MESH2, X2)
+  with pytest.raises(ValueError, match="rank >= 1"):
+    trace(lambda a: hc.all_to_all(a[0, 0], "x", 0, 0))
+  with pytest.raises(ValueError, match="concat_axis=5 is out of range"):
+    trace(lambda a: hc.all_to_all(a, "x", 0, 5, tiled=True))
+  with pytest.raises(ValueError, match="split_axis=-3 is out of range"):
+    trace(lambda a: hc.all_to_all(a, "x", -3, 0, tiled=True))
+
+
+def test_all_gather_arguments():
+  with pytest.raises(ValueError, match="axis=3 is out of range"):
+    trace(lambda a: hc.all_gather(a, "x", axis=3))
+  with pytest.raises(ValueError, match="axis=2 is out of range"):
+    trace(lambda a: hc.all_gather(a, "x", axis=2, tiled=True))
+  with pytest.raises(ValueError, match=r"all_gather.*(rank >= 1|rank 0)"):
+    trace(lambda a: hc.all_gather(a[0, 0], "x", tiled=True))
+  with pytest.raises(ValueError, match="to must be"):
+    trace(lambda a: hc.all_gather(a, "x", to="sideways"))
+  with pytest.raises(NotImplementedError, match="reduced"):
+    trace(lambda a: hc.all_gather(a, "x", to="reduced"))
+  # axis=2 is valid for the stacked (untiled) form of a rank-2 input: new trailing axis
+  assert out_aval(lambda a: hc.all_gather(a, "x", axis=2)).shape == (64, 8, 8)
+
+
+# --------------------------------------------------------------------------------- dtypes
+SUB_BYTE = [getattr(jnp, n) for n in ("int4", "uint4", "int2", "uint2") if hasattr(jnp, n)]
+
+
+@pytest.mark.parametrize("op", list(ALL_OPS))
+def test_sub_byte_dtypes_rejected(op):
+  assert SUB_BYTE, "jax has no int4"
+  for dt in SUB_BYTE:
+    with pytest.raises(TypeError) as e:
+      trace(lambda a: ALL_OPS[op](a.astype(dt), "x"))
+    assert f"jax_hoccl.{op}" in str(e.value) and str(np.dtype(dt)) in str(e.value)
+
+
+def test_float8_moved_and_summed():
+  """float8 types are whole bytes: every op accepts them (movers exactly, sums like lax)."""
+  dt = jnp.float8_e4m3fn
+  x = put(MESH1, rand(np.random.default_rng(42), (64, 8), np.float32).astype(dt), P("x"))
+  f = jax.jit(jax.shard_map(
+      lambda a: (hc.all_gather(a, "x", tiled=True), hc.ppermute(a, "x", [(0, 1), (1, 0)]),
+                 hc.all_to_all(a, "x", 0, 0, tiled=True)),
+      mesh=MESH1, in_specs=P("x"), out_specs=P("x")))
+  g = jax.jit(jax.shard_map(
+      lambda a: (jax.lax.all_gather(a, "x", tiled=True),
+                 jax.lax.ppermute(a, "x", [(0, 1), (1, 0)]),
+                 jax.lax.all_to_all(a, "x", 0, 0, tiled=True)),
+      mesh=MESH1, in_specs=P("x"), out_specs=P("x")))
+  for got, ref in zip(f(x), g(x)):
+    assert got.dtype == dt
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+  assert out_aval(lambda a: hc.psum(a, "x"), x=x).dtype == dt
+  assert out_aval(lambda a: hc.psum_scatter(a, "x", tiled=True), x=x).dtype == dt
+
+
+# --------------------------------------------------------------------------- permutations
+@pytest.mark.parametrize("perm,match", [
+    ([(0, 1), (1, 1)], "twice"),          # duplicate destination
+    ([(0, 1), (0, 2)], "twice"),          # duplicate source
+    ([(0, 1), (-8, 2)], "twice"),         # duplicate source once normalised
+    ([(0, 8)], "index 8 is out of range"),
+    ([(-9, 0)], "index -9 is out of range"),
+])
+def test_bad_permutation(perm, match):
+  with pytest.raises(ValueError, match=match):
+    trace(lambda a: hc.ppermute(a, "x", perm))
+
+
+def test_negative_permutation_indices_like_lax():
+  """jax.lax.ppermute treats perm entries as indices into the axis: -1 is the last rank."""
+  perm = [(0, -1), (-1, 0), (3, 4)]
+  f = jax.jit(jax.shard_map(lambda a: (hc.ppermute(a, "x", perm), jax.lax.ppermute(a, "x", perm)),
+                            mesh=MESH1, in_specs=P("x"), out_specs=P("x")))
+  got, ref = f(X1)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+  assert np.asarray(got)[56:].any()  # rank 7 received rank 0's block
+
+
+def test_psum_algorithm_name(monkeypatch):
+  with pytest.raises(ValueError, match="one_shot"):
+    with hc.psum_algorithm("tree"):
+      pass
+  monkeypatch.setenv("JAX_HOCCL_PSUM_ALGORITHM", "bogus")
+  with pytest.raises(ValueError, match="algorithm must be one of"):
+    trace(lambda a: hc.psum(a, "x"))
+  monkeypatch.setenv("JAX_HOCCL_PSUM_ALGORITHM", "two_step")
+  text = jax.jit(jax.shard_map(lambda a: hc.psum(a, "x"), mesh=MESH1, in_specs=P("x"),
+                               out_specs=P())).lower(X1).as_text()
+  assert "hoccl_all_to_all" in text  # the env var picks the algorithm
+
+
+# ---------------------------------------------------------------- runtime: missing peers
+_MISSING_PEER_SCRIPT = textwrap.dedent("""
+    import json, os, time
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["PJRT_NPROC"] = "16"
+    os.environ["JAX_HOCCL_TIMEOUT_S"] = "2"
+    import numpy as np, jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jax_hoccl as hc
+
+    def attempt(f, *args):
+      t = time.monotonic()
+      try:
+        jax.block_until_ready(f(*args))
+        return {"error": None, "seconds": time.monotonic() - t}
+      except Exception as e:
+        return {"error": str(e), "seconds": time.monotonic() - t}
+
+    out = {}
+    # 1. A group naming device 99, which does not exist: device 0 waits for it in vain.
+    #    (Called through the registered FFI target, as the lowering does.)
+    mesh1 = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
+    x1 = jax.device_put(np.arange(4, dtype=np.float32), NamedSharding(mesh1, P("x")))
+    def ghost(a):
+      call = jax.ffi.ffi_call("hoccl_all_gather", jax.ShapeDtypeStruct((2, 4), a.dtype),
+                              has_side_effect=True)
+      return call(a, groups=np.array([0, 99], np.int64), group_size=np.int64(2))[0]
+    f = jax.jit(jax.shard_map(ghost, mesh=mesh1, in_specs=P("x"), out_specs=P("x"),
+                              check_vma=False))
+    out["ghost"] = attempt(f, x1)
+    out["ghost_again"] = attempt(f, x1)
+
+    # 2. A real program where only device 0 calls the collective (lax.cond on axis_index).
+    mesh = jax.make_mesh((8,), ("x",))
+    x = jax.device_put(np.arange(16, dtype=np.float32), NamedSharding(mesh, P("x")))
+    def lonely(a):
+      return jax.lax.cond(jax.lax.axis_index("x") == 0,
+                          lambda a: hc.ppermute(a, "x", [(0, 1), (1, 0)]), lambda a: a, a)
+    g = jax.jit(jax.shard_map(lonely, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    out["lonely"] = attempt(g, x)
+    out["lonely_again"] = attempt(g, x)
+
+    # 3. Other communicators still work: the groups of the 'y' axis of a 2x4 mesh.
+    mesh2 = jax.make_mesh((2, 4), ("x", "y"))
+    x2 = jax.device_put(np.arange(16, dtype=np.float32), NamedSharding(mesh2, P(("x", "y"))))
+    h = jax.jit(jax.shard_map(lambda a: hc.psum(a, "y"), mesh=mesh2, in_specs=P(("x", "y")),
+                              out_specs=P(("x", "y"))))
+    r = attempt(h, x2)
+    r["value"] = np.asarray(h(x2)).tolist() if r["error"] is None else None
+    out["healthy"] = r
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def run_script(script, timeout=120, env_extra=None):
+  env = dict(os.environ)
+  env.update(env_extra or {})
+  t = time.monotonic()
+  proc = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True,
+                        timeout=timeout, env=env)
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
+  assert line, f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+  return json.loads(line[-1][len("RESULT"):]), time.monotonic() - t
+
+
+def test_missing_peer_times_out_with_a_clear_error():
+  res, wall = run_script(_MISSING_PEER_SCRIPT)
+  assert wall < 60, wall
+
+  ghost = res["ghost"]
+  assert ghost["error"], "a collective with a missing peer must fail"
+  msg = ghost["error"]
+  assert "all_gather" in msg and "rank 0" in msg and "device 99" in msg, msg
+  assert "JAX_HOCCL_TIMEOUT_S" in msg and "timed out" in msg, msg
+  assert 1.5 < ghost["seconds"] < 30, ghost["seconds"]
+  # the communicator is broken now: the next call fails at once, with the original reason
+  again = res["ghost_again"]
+  assert again["error"] and "device 99" in again["error"], again
+  assert again["seconds"] < 1.5, again["seconds"]
+
+  lonely = res["lonely"]
+  assert lonely["error"], "a collective only device 0 calls must fail"
+  msg = lonely["error"]
+  assert "ppermute" in msg and "rank 0 (device 0)" in msg, msg
+  assert "missing peer" in msg and "rank 1 (device 1)" in msg, msg
+  assert 1.5 < lonely["seconds"] < 30, lonely["seconds"]
+  assert res["lonely_again"]["error"] and res["lonely_again"]["seconds"] < 1.5
+
+  healthy = res["healthy"]
+  assert healthy["error"] is None, healthy["error"]
+  want = np.arange(16, dtype=np.float32).reshape(2, 4, 2).sum(1)  # [x, local] over y
+  np.testing.assert_array_equal(np.asarray(healthy["value"]).reshape(2, 4, 2),
+                                np.repeat(want[:, None, :], 4, axis=1))
