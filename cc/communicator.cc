@@ -26,6 +26,12 @@ static std::string Seconds(double s) {
 Communicator::Communicator(std::string key, std::vector<int64_t> device_ids)
     : key_(std::move(key)), device_ids_(std::move(device_ids)), next_seq_(device_ids_.size(), 0) {}
 
+uint64_t Communicator::NextSeqAt(int rank, int64_t site) {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t count = next_at_site_[{site, rank}]++;
+  return (static_cast<uint64_t>(site) << 32) | (count & 0xffffffffu);
+}
+
 uint64_t Communicator::NextSeq(int rank) {
   std::lock_guard<std::mutex> lock(mu_);
   return next_seq_[rank]++;

@@ -32,8 +32,15 @@ class Communicator {
   const std::vector<int64_t>& device_ids() const { return device_ids_; }
   const std::string& key() const { return key_; }
 
-  // The next sequence number of `rank` (0, 1, 2, ...).
+  // The next sequence number of `rank` (0, 1, 2, ...). The CUDA engine uses these as flag
+  // values: they grow monotonically per communicator, and every rank's GPU program issues the
+  // collectives in one order (XLA:GPU runs its thunks in schedule order).
   uint64_t NextSeq(int rank);
+  // The rendezvous key of `rank`'s next call from call site `site` (an id the Python lowering
+  // gives every collective it emits). XLA:CPU may run independent ops concurrently and in a
+  // different order on each device, so the CPU engine pairs calls by (site, n-th call from
+  // that site) instead of by global order, as XLA's own CPU collectives key by op id.
+  uint64_t NextSeqAt(int rank, int64_t site);
 
   // Publish my buffers for `seq`; marks me arrived (= ready for every reader).
   void Arrive(uint64_t seq, int rank, const void* input, void* output);
@@ -83,6 +90,7 @@ class Communicator {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<uint64_t> next_seq_;
+  std::map<std::pair<int64_t, int>, uint64_t> next_at_site_;  // (site, rank) -> count
   std::map<uint64_t, Slot> slots_;
   struct SetupEntry {
     std::vector<void*> values;

@@ -4,14 +4,15 @@
 
 namespace hoccl {
 
-std::string RunOnCpu(Communicator& comm, const OpSpec& spec, const void* input, void* output) {
+std::string RunOnCpu(Communicator& comm, const OpSpec& spec, int64_t site, const void* input,
+                     void* output) {
   std::string err = comm.Broken();
   if (!err.empty()) return err;
   err = ValidateSpec(spec);
   if (!err.empty()) return std::string("jax_hoccl ") + OpName(spec.op) + ": " + err;
   const int r = spec.rank;
   const char* op = OpName(spec.op);
-  const uint64_t seq = comm.NextSeq(r);
+  const uint64_t seq = comm.NextSeqAt(r, site);
   // Arriving publishes my buffers and is the "ready" signal to every reader at once.
   comm.Arrive(seq, r, input, output);
   char* out = static_cast<char*>(output);

@@ -11,8 +11,10 @@
 
 namespace hoccl {
 
-// Executes `spec` for spec.rank on `comm`; returns "" or an error message.
-std::string RunOnCpu(Communicator& comm, const OpSpec& spec, const void* input, void* output);
+// Executes `spec` for spec.rank on `comm`; `site` identifies the call site (see
+// Communicator::NextSeqAt). Returns "" or an error message.
+std::string RunOnCpu(Communicator& comm, const OpSpec& spec, int64_t site, const void* input,
+                     void* output);
 
 }  // namespace hoccl
 

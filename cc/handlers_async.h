@@ -14,7 +14,7 @@ XLA_FFI_Error* kAllGatherStartCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllStartCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteStartCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kDoneCpu(XLA_FFI_CallFrame* call_frame);
-#ifdef JAX_HOCCL_WITH_CUDA_ASYNC
+#ifdef JAX_HOCCL_WITH_CUDA
 XLA_FFI_Error* kAllGatherStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteStartCuda(XLA_FFI_CallFrame* call_frame);

@@ -19,7 +19,7 @@ namespace {
 
 ffi::Error RunCpu(OpKind op, int64_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                   ffi::Span<const int64_t> groups, int64_t group_size,
-                  ffi::Span<const int64_t> permute_dst, bool peers_only = false) {
+                  ffi::Span<const int64_t> permute_dst, int64_t site, bool peers_only = false) {
   GroupPosition pos;
   std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
   if (!err.empty()) return ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) + ": " + err);
@@ -29,7 +29,7 @@ ffi::Error RunCpu(OpKind op, int64_t device, ffi::AnyBuffer x, ffi::Result<ffi::
     return ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) +
                                        ": output size does not match the input");
   Communicator& comm = GetCommunicator("cpu", pos.device_ids);
-  err = RunOnCpu(comm, spec, x.untyped_data(), out->untyped_data());
+  err = RunOnCpu(comm, spec, site, x.untyped_data(), out->untyped_data());
   if (!err.empty()) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, err);
   return ffi::Error::Success();
 }
@@ -39,35 +39,36 @@ ffi::Error RunCpu(OpKind op, int64_t device, ffi::AnyBuffer x, ffi::Result<ffi::
 // done's outputs alias its inputs (set in the lowering), so neither copies anything.
 ffi::Error AllGatherStartCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                              ffi::Result<ffi::AnyBuffer>, ffi::Span<const int64_t> groups,
-                             int64_t group_size, int64_t peers_only, int64_t) {
-  return RunCpu(OpKind::kAllGather, device, x, out, groups, group_size, {}, peers_only != 0);
+                             int64_t group_size, int64_t peers_only, int64_t site) {
+  return RunCpu(OpKind::kAllGather, device, x, out, groups, group_size, {}, site, peers_only != 0);
 }
 ffi::Error AllToAllStartCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::AnyBuffer>, ffi::Span<const int64_t> groups,
-                            int64_t group_size, int64_t) {
-  return RunCpu(OpKind::kAllToAll, device, x, out, groups, group_size, {});
+                            int64_t group_size, int64_t site) {
+  return RunCpu(OpKind::kAllToAll, device, x, out, groups, group_size, {}, site);
 }
 ffi::Error PermuteStartCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                            ffi::Result<ffi::AnyBuffer>, ffi::Span<const int64_t> groups,
-                           int64_t group_size, ffi::Span<const int64_t> permute_dst, int64_t) {
-  return RunCpu(OpKind::kPermute, device, x, out, groups, group_size, permute_dst);
+                           int64_t group_size, ffi::Span<const int64_t> permute_dst,
+                           int64_t site) {
+  return RunCpu(OpKind::kPermute, device, x, out, groups, group_size, permute_dst, site);
 }
-ffi::Error DoneCpu(ffi::RemainingArgs, ffi::RemainingRets, int64_t) {
+ffi::Error DoneCpu(ffi::RemainingArgs, ffi::RemainingRets, int64_t /*site of the start*/) {
   return ffi::Error::Success();
 }
 
 ffi::Error AllGatherCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Span<const int64_t> groups, int64_t group_size) {
-  return RunCpu(OpKind::kAllGather, device, x, out, groups, group_size, {});
+                        ffi::Span<const int64_t> groups, int64_t group_size, int64_t site) {
+  return RunCpu(OpKind::kAllGather, device, x, out, groups, group_size, {}, site);
 }
 ffi::Error AllToAllCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::Span<const int64_t> groups, int64_t group_size) {
-  return RunCpu(OpKind::kAllToAll, device, x, out, groups, group_size, {});
+                       ffi::Span<const int64_t> groups, int64_t group_size, int64_t site) {
+  return RunCpu(OpKind::kAllToAll, device, x, out, groups, group_size, {}, site);
 }
 ffi::Error PermuteCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                       ffi::Span<const int64_t> groups, int64_t group_size,
-                      ffi::Span<const int64_t> permute_dst) {
-  return RunCpu(OpKind::kPermute, device, x, out, groups, group_size, permute_dst);
+                      ffi::Span<const int64_t> permute_dst, int64_t site) {
+  return RunCpu(OpKind::kPermute, device, x, out, groups, group_size, permute_dst, site);
 }
 
 }  // namespace
@@ -81,7 +82,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCpu, AllGatherStartCpu,
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("peers_only")
-                                  .Attr<int64_t>("pair_id"));
+                                  .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCpu, AllToAllStartCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -90,7 +91,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCpu, AllToAllStartCpu,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("pair_id"));
+                                  .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCpu, PermuteStartCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -100,10 +101,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCpu, PermuteStartCpu,
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<ffi::Span<const int64_t>>("permute_dst")
-                                  .Attr<int64_t>("pair_id"));
+                                  .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kDoneCpu, DoneCpu,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attr<int64_t>(
-                                  "pair_id"));
+                                  "site"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherCpu, AllGatherCpu,
                               ffi::Ffi::Bind()
@@ -111,14 +112,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherCpu, AllGatherCpu,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size"));
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllCpu, AllToAllCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size"));
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteCpu, PermuteCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -126,6 +129,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteCpu, PermuteCpu,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
-                                  .Attr<ffi::Span<const int64_t>>("permute_dst"));
+                                  .Attr<ffi::Span<const int64_t>>("permute_dst")
+                                  .Attr<int64_t>("site"));
 
 }  // namespace hoccl

@@ -6,6 +6,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,6 +18,7 @@
 #include "cuda_executor.h"
 #include "group.h"
 #include "handlers.h"
+#include "handlers_async.h"
 #include "plan.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -74,23 +79,171 @@ ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
+// `site` (the call-site id the CPU engine pairs calls by) is not needed here: every GPU runs
+// its thunks in schedule order, so the per-communicator sequence pairs calls.
 ffi::Error AllGatherCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                         int64_t group_size) {
+                         int64_t group_size, int64_t /*site*/) {
   return RunCuda(OpKind::kAllGather, stream, device, x, out, groups, group_size, {});
 }
 ffi::Error AllToAllCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                        int64_t group_size) {
+                        int64_t group_size, int64_t /*site*/) {
   return RunCuda(OpKind::kAllToAll, stream, device, x, out, groups, group_size, {});
 }
 ffi::Error PermuteCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                       int64_t group_size, ffi::Span<const int64_t> permute_dst) {
+                       int64_t group_size, ffi::Span<const int64_t> permute_dst,
+                       int64_t /*site*/) {
   return RunCuda(OpKind::kPermute, stream, device, x, out, groups, group_size, permute_dst);
 }
 
+// ---- async pairs: start forks XLA's stream onto this device's async stream and runs the
+// whole exchange there (handshakes, copies, the wait for readers), so XLA's stream goes on
+// with the user's compute; done makes XLA's stream wait for the event start recorded.
+
+struct AsyncState {
+  cudaStream_t stream = nullptr;  // the device's async stream, created once
+  cudaEvent_t fork = nullptr;
+  // Events of starts not yet done, FIFO per start site (done pairs with the oldest start of
+  // its site: pairs of one site complete in program order).
+  std::map<int64_t, std::deque<cudaEvent_t>> pending;
+  std::vector<cudaEvent_t> free_events;
+};
+
+AsyncState& AsyncStateFor(int device) {
+  static std::mutex mu;
+  static std::map<int, std::unique_ptr<AsyncState>>* states =
+      new std::map<int, std::unique_ptr<AsyncState>>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto& s = (*states)[device];
+  if (!s) s = std::make_unique<AsyncState>();
+  return *s;  // used only by this device's handler thread
+}
+
+ffi::Error CudaFail(const char* what, cudaError_t e) {
+  return ffi::Error::Internal(std::string("jax_hoccl async: ") + what + ": " +
+                              cudaGetErrorString(e));
+}
+
+ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
+                     ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
+                     int64_t group_size, ffi::Span<const int64_t> permute_dst, int64_t site,
+                     bool peers_only) {
+  AsyncState& a = AsyncStateFor(device);
+  cudaError_t e;
+  if (!a.stream) {
+    if ((e = cudaStreamCreateWithFlags(&a.stream, cudaStreamNonBlocking)) != cudaSuccess)
+      return CudaFail("cudaStreamCreateWithFlags", e);
+    if ((e = cudaEventCreateWithFlags(&a.fork, cudaEventDisableTiming)) != cudaSuccess)
+      return CudaFail("cudaEventCreateWithFlags", e);
+  }
+  // The input and the output are XLA's as of this point of its stream.
+  if ((e = cudaEventRecord(a.fork, xla_stream)) != cudaSuccess) return CudaFail("cudaEventRecord", e);
+  if ((e = cudaStreamWaitEvent(a.stream, a.fork, 0)) != cudaSuccess)
+    return CudaFail("cudaStreamWaitEvent", e);
+  GroupPosition pos;
+  std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
+  if (!err.empty())
+    return ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) + ": " + err);
+  OpSpec spec{op, static_cast<int>(group_size), pos.rank, x.size_bytes(), {}, peers_only};
+  spec.permute_dst.assign(permute_dst.begin(), permute_dst.end());
+  if (out->size_bytes() != OutputBytes(spec))
+    return ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) +
+                                       ": output size does not match the input");
+  if (spec.bytes > 0 && OutputBytes(spec) > 0) {
+    Communicator& comm = CudaCommunicator(pos.device_ids);
+    ExecStatus st = RunOnCuda(comm, spec, a.stream, x.untyped_data(), out->untyped_data());
+    if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
+  }
+  cudaEvent_t finished;
+  if (!a.free_events.empty()) {
+    finished = a.free_events.back();
+    a.free_events.pop_back();
+  } else if ((e = cudaEventCreateWithFlags(&finished, cudaEventDisableTiming)) != cudaSuccess) {
+    return CudaFail("cudaEventCreateWithFlags", e);
+  }
+  if ((e = cudaEventRecord(finished, a.stream)) != cudaSuccess) return CudaFail("cudaEventRecord", e);
+  a.pending[site].push_back(finished);
+  return ffi::Error::Success();
+}
+
+ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
+                              ffi::Span<const int64_t> groups, int64_t group_size,
+                              int64_t peers_only, int64_t site) {
+  return StartCuda(OpKind::kAllGather, stream, device, x, out, groups, group_size, {}, site,
+                   peers_only != 0);
+}
+ffi::Error AllToAllStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
+                             ffi::Span<const int64_t> groups, int64_t group_size, int64_t site) {
+  return StartCuda(OpKind::kAllToAll, stream, device, x, out, groups, group_size, {}, site, false);
+}
+ffi::Error PermuteStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
+                            ffi::Span<const int64_t> groups, int64_t group_size,
+                            ffi::Span<const int64_t> permute_dst, int64_t site) {
+  return StartCuda(OpKind::kPermute, stream, device, x, out, groups, group_size, permute_dst,
+                   site, false);
+}
+
+ffi::Error DoneCuda(cudaStream_t xla_stream, int32_t device, ffi::RemainingArgs,
+                    ffi::RemainingRets, int64_t site) {
+  AsyncState& a = AsyncStateFor(device);
+  auto it = a.pending.find(site);
+  if (it == a.pending.end() || it->second.empty())
+    return ffi::Error::Internal("jax_hoccl done: no pending start for this done (site " +
+                                std::to_string(site) + ")");
+  cudaEvent_t finished = it->second.front();
+  it->second.pop_front();
+  cudaError_t e = cudaStreamWaitEvent(xla_stream, finished, 0);
+  a.free_events.push_back(finished);  // reusable: the wait above captured this record
+  if (e != cudaSuccess) return CudaFail("cudaStreamWaitEvent", e);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCuda, AllGatherStartCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("peers_only")
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCuda, AllToAllStartCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCuda, PermuteStartCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<ffi::Span<const int64_t>>("permute_dst")
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kDoneCuda, DoneCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("site"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherCuda, AllGatherCuda,
                               ffi::Ffi::Bind()
@@ -99,7 +252,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherCuda, AllGatherCuda,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size"));
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllCuda, AllToAllCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -107,7 +261,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllCuda, AllToAllCuda,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size"));
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteCuda, PermuteCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -116,6 +271,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteCuda, PermuteCuda,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
-                                  .Attr<ffi::Span<const int64_t>>("permute_dst"));
+                                  .Attr<ffi::Span<const int64_t>>("permute_dst")
+                                  .Attr<int64_t>("site"));
 
 }  // namespace hoccl

@@ -38,8 +38,8 @@ nb::dict Registrations() {
   add("hoccl_all_to_all", Capsule(hoccl::kAllToAllCpu), nb::none());
   add("hoccl_ppermute", Capsule(hoccl::kPermuteCpu), nb::none());
 #endif
-  // Async pairs: the CUDA ones arrive with the CUDA async engine.
-#ifdef JAX_HOCCL_WITH_CUDA_ASYNC
+  // Async pairs.
+#ifdef JAX_HOCCL_WITH_CUDA
   add("hoccl_all_gather_start", Capsule(hoccl::kAllGatherStartCpu), Capsule(hoccl::kAllGatherStartCuda));
   add("hoccl_all_to_all_start", Capsule(hoccl::kAllToAllStartCpu), Capsule(hoccl::kAllToAllStartCuda));
   add("hoccl_ppermute_start", Capsule(hoccl::kPermuteStartCpu), Capsule(hoccl::kPermuteStartCuda));

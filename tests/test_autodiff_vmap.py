@@ -31,10 +31,20 @@ def lax_all_to_all(x, axis_name, split_axis, concat_axis, tiled=False):
   return jnp.moveaxis(y, 0, c)
 
 
+def lax_all_gather(x, axis_name, *, axis=0, tiled=False, to="varying"):
+  """jax.lax.all_gather as reference. With to='invarying' and check_vma=False jax 0.11.2's
+  gradient is wrong (it takes the local cotangent block without summing; finite differences
+  agree with the varying form), so the reference is always the varying all_gather: the same
+  values, and the true gradient in both modes."""
+  del to
+  return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+
+
 class _LaxRef:
-  """jax.lax with the all_to_all reference above."""
+  """jax.lax with the all_to_all and all_gather references above."""
   def __getattr__(self, name):
-    return lax_all_to_all if name == "all_to_all" else getattr(jax.lax, name)
+    return {"all_to_all": lax_all_to_all, "all_gather": lax_all_gather}.get(
+        name, getattr(jax.lax, name))
 
 
 LAX = _LaxRef()
@@ -54,6 +64,9 @@ OPS = {
     "all_gather": (lambda m, a, n: lambda x: m.all_gather(x, a, axis=1), lambda n: (2, 4)),
     "all_gather_tiled": (lambda m, a, n: lambda x: m.all_gather(x, a, axis=0, tiled=True),
                          lambda n: (2, 4)),
+    "all_gather_invarying": (
+        lambda m, a, n: lambda x: m.all_gather(x, a, axis=1, tiled=True, to="invarying"),
+        lambda n: (2, 4)),
     "psum_scatter_tiled": (
         lambda m, a, n: lambda x: m.psum_scatter(x, a, scatter_dimension=0, tiled=True),
         lambda n: (2 * n, 2)),
@@ -121,9 +134,9 @@ def test_grad_vjp_jvp(op, mesh, name, check_vma):
     text = ours_fn.lower(x, w, t, ct).as_text()
   # forward, transpose (except psum's pcast under check_vma), jvp primal and tangent
   assert text.count("custom_call @hoccl_") >= 3
-  if not op.startswith("psum"):
-    # (For psum, shard_map itself adds an all-reduce when transposing an out_specs that
-    # names an axis the result is invariant over: jax's, not ours.)
+  if not (check_vma and op in ("psum", "psum_two_step", "all_gather_invarying")):
+    # (With check_vma, shard_map itself adds an all-reduce when transposing an out_specs
+    # that names an axis the result is invariant over: jax's, not ours.)
     for xla_op in ("stablehlo.all_", "collective_permute", "reduce_scatter"):
       assert xla_op not in text, xla_op
   for what, a, b in zip(("grad", "jvp primal", "jvp tangent", "vjp"), ours, ref):
@@ -228,3 +241,25 @@ def test_vmap_of_shard_map(op):
     return jax.jit(jax.vmap(f, in_axes=0, out_axes=1))
 
   _close(make(hc)(x), make(LAX)(x), "vmap of shard_map")
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+@pytest.mark.parametrize("op", ["psum", "all_gather_invarying", "psum_scatter_tiled",
+                                "ppermute_partial"])
+def test_grad_matches_finite_differences(op, check_vma):
+  """Independent of jax.lax: <grad, v> equals the central difference of the loss along v
+  (psum's transpose differs by mode; a wrong choice is off by the group size)."""
+  make, local = OPS[op]
+  rng = np.random.default_rng(23)
+  spec = P("x")
+  shape = local(8)
+  x = put(MESH1, rand(rng, (shape[0] * 8, *shape[1:]), np.float32), spec)
+  f = jax.shard_map(make(hc, "x", 8), mesh=MESH1, in_specs=spec, out_specs=spec,
+                    check_vma=check_vma)
+  w = jnp.asarray(rand(rng, jax.eval_shape(f, x).shape, np.float32))
+  loss = jax.jit(lambda x: jnp.sum(jnp.sin(f(x)) * w))
+  v = rand(rng, x.shape, np.float32)
+  g = to_np(jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(f(x)) * w)))(x))
+  eps = 1e-2
+  numeric = (float(loss(x + eps * v)) - float(loss(x - eps * v))) / (2 * eps)
+  np.testing.assert_allclose(float(np.sum(g * v)), numeric, rtol=2e-2, atol=2e-2)

@@ -1,6 +1,8 @@
 """Trace-time checks of axis names and dtypes, and the group table a lowering passes to C++."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -79,7 +81,17 @@ def group_table(mesh, axes) -> np.ndarray:
   return np.ascontiguousarray(ids.transpose(perm).reshape(-1, n)).astype(np.int64)
 
 
-def ffi_group_attrs(ctx, axes, op: str) -> dict:
+_sites = itertools.count(1)
+
+
+def new_site() -> int:
+  """A fresh call-site id. Every collective a lowering emits carries one: XLA:CPU may run
+  independent ops concurrently, in a different order per device, so the CPU engine pairs
+  the ranks' calls by (site, n-th call from it), as XLA's own CPU collectives key by op id."""
+  return next(_sites)
+
+
+def ffi_group_attrs(ctx, axes, op: str, site: int) -> dict:
   mesh = ji.concrete_mesh_from_lowering(ctx, op)
   table = group_table(mesh, axes)
-  return dict(groups=table.reshape(-1), group_size=np.int64(table.shape[1]))
+  return dict(groups=table.reshape(-1), group_size=np.int64(table.shape[1]), site=np.int64(site))

@@ -18,7 +18,7 @@ from jax_hoccl._src.ops import common
 all_gather_p = ji.Primitive("hoccl_all_gather")
 
 
-def _abstract_eval(x, *, axes, axis_size, invariant):
+def _abstract_eval(x, *, axes, axis_size, invariant, site):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl all_gather: input must be varying over {axes}, got {set(vma)}")
@@ -26,23 +26,23 @@ def _abstract_eval(x, *, axes, axis_size, invariant):
   return ji.with_type(x, (axis_size, *x.shape), out_vma)
 
 
-def _lowering(ctx, x, *, axes, axis_size, invariant):
+def _lowering(ctx, x, *, axes, axis_size, invariant, site):
   return ffi_lower("hoccl_all_gather", "all_gather", ctx, x,
-                   **axes_lib.ffi_group_attrs(ctx, axes, "all_gather"))
+                   **axes_lib.ffi_group_attrs(ctx, axes, "all_gather", site))
 
 
-def _transpose(ct, x, *, axes, axis_size, invariant):
+def _transpose(ct, x, *, axes, axis_size, invariant, site):
   if invariant and ji.check_vma_enabled():
     # The cotangent of an invariant output is the same on every rank: take my block.
     rank = jax.lax.axis_index(common.axis_name_arg(axes))
     return [jax.lax.dynamic_index_in_dim(ct, rank, axis=0, keepdims=False)]
-  from jax_hoccl._src.ops.psum_scatter import reduce_scatter_p
-  return [reduce_scatter_p.bind(ct, axes=axes, axis_size=axis_size)]
+  from jax_hoccl._src.ops.psum_scatter import reduce_scatter_stacked
+  return [reduce_scatter_stacked(ct, axes, axis_size)]
 
 
-def _batch(args, dims, *, axes, axis_size, invariant):
+def _batch(args, dims, **params):
   (x,), (d,) = args, dims
-  out = all_gather_p.bind(x, axes=axes, axis_size=axis_size, invariant=invariant)
+  out = all_gather_p.bind(x, **params)
   return out, (None if d is None else d + 1)  # the stacked axis is new and leading
 
 
@@ -53,7 +53,8 @@ ji.primitive_batchers[all_gather_p] = _batch
 
 
 def gather_stacked(x, axes, axis_size, invariant=False):
-  return all_gather_p.bind(x, axes=tuple(axes), axis_size=int(axis_size), invariant=invariant)
+  return all_gather_p.bind(x, axes=tuple(axes), axis_size=int(axis_size), invariant=invariant,
+                           site=axes_lib.new_site())
 
 
 def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to="varying"):

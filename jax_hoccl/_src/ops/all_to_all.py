@@ -17,7 +17,7 @@ from jax_hoccl._src.ops import common
 all_to_all_p = ji.Primitive("hoccl_all_to_all")
 
 
-def _abstract_eval(x, *, axes, axis_size):
+def _abstract_eval(x, *, axes, axis_size, site):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl all_to_all: input must be varying over {axes}, got {set(vma)}")
@@ -26,20 +26,20 @@ def _abstract_eval(x, *, axes, axis_size):
   return ji.with_type(x, x.shape, vma)
 
 
-def _lowering(ctx, x, *, axes, axis_size):
+def _lowering(ctx, x, *, axes, axis_size, site):
   return ffi_lower("hoccl_all_to_all", "all_to_all", ctx, x,
-                   **axes_lib.ffi_group_attrs(ctx, axes, "all_to_all"))
+                   **axes_lib.ffi_group_attrs(ctx, axes, "all_to_all", site))
 
 
-def _transpose(ct, x, *, axes, axis_size):
-  return [all_to_all_p.bind(ct, axes=axes, axis_size=axis_size)]
+def _transpose(ct, x, *, axes, axis_size, site):
+  return [exchange_stacked(ct, axes, axis_size)]
 
 
-def _batch(args, dims, *, axes, axis_size):
+def _batch(args, dims, **params):
   (x,), (d,) = args, dims
   if d == 0:  # keep the rank-block axis leading: move the batch axis behind it
     x, d = jnp.moveaxis(x, 0, 1), 1
-  return all_to_all_p.bind(x, axes=axes, axis_size=axis_size), d
+  return all_to_all_p.bind(x, **params), d
 
 
 all_to_all_p.def_abstract_eval(_abstract_eval)
@@ -49,7 +49,7 @@ ji.primitive_batchers[all_to_all_p] = _batch
 
 
 def exchange_stacked(x, axes, axis_size):
-  return all_to_all_p.bind(x, axes=tuple(axes), axis_size=int(axis_size))
+  return all_to_all_p.bind(x, axes=tuple(axes), axis_size=int(axis_size), site=axes_lib.new_site())
 
 
 def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None, tiled=False):

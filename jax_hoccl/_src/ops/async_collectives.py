@@ -14,7 +14,6 @@ does the whole exchange and done is free.
 """
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import jax
@@ -26,7 +25,6 @@ from jax_hoccl._src.ffi_targets import ffi_lower
 from jax_hoccl._src.ops import common
 from jax_hoccl._src.ops.ppermute import check_perm
 
-_pair_ids = itertools.count(1)
 
 start_p = ji.Primitive("hoccl_start")
 start_p.multiple_results = True
@@ -34,7 +32,7 @@ done_p = ji.Primitive("hoccl_done")
 done_p.multiple_results = True
 
 
-def _start_abstract_eval(x, *, op, axes, axis_size, perm, peers_only, invariant, pair_id):
+def _start_abstract_eval(x, *, op, axes, axis_size, perm, peers_only, invariant, site):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl {op}_start: input must be varying over {axes}, got {set(vma)}")
@@ -47,8 +45,8 @@ def _start_abstract_eval(x, *, op, axes, axis_size, perm, peers_only, invariant,
   return [out, token]
 
 
-def _start_lowering(ctx, x, *, op, axes, axis_size, perm, peers_only, invariant, pair_id):
-  attrs = axes_lib.ffi_group_attrs(ctx, axes, op)
+def _start_lowering(ctx, x, *, op, axes, axis_size, perm, peers_only, invariant, site):
+  attrs = axes_lib.ffi_group_attrs(ctx, axes, op, site)
   if op == "all_gather":
     attrs["peers_only"] = np.int64(peers_only)
   if op == "ppermute":
@@ -56,16 +54,16 @@ def _start_lowering(ctx, x, *, op, axes, axis_size, perm, peers_only, invariant,
     for s, d in perm:
       dst[s] = d
     attrs["permute_dst"] = dst
-  return ffi_lower(f"hoccl_{op}_start", op, ctx, x, pair_id=np.int64(pair_id), **attrs)
+  return ffi_lower(f"hoccl_{op}_start", op, ctx, x, **attrs)
 
 
-def _done_abstract_eval(buf, x, *deps, pair_id):
+def _done_abstract_eval(buf, x, *deps, site):
   return [buf, *deps]
 
 
-def _done_lowering(ctx, buf, x, *deps, pair_id):
+def _done_lowering(ctx, buf, x, *deps, site):
   aliases = {0: 0, **{2 + i: 1 + i for i in range(len(deps))}}
-  return ffi_lower("hoccl_done", "done", ctx, buf, x, *deps, pair_id=np.int64(pair_id),
+  return ffi_lower("hoccl_done", "done", ctx, buf, x, *deps, site=np.int64(site),
                    lowering_args=dict(operand_output_aliases=aliases))
 
 
@@ -80,12 +78,12 @@ class Pending:
   """An exchange in flight. `input` is x ordered after start: compute on it to overlap.
   Pass the Pending to `jax_hoccl.done` exactly once."""
 
-  def __init__(self, buffer, input, token, pair_id, finish):
+  def __init__(self, buffer, input, token, site, finish):
     self.buffer, self.input, self.token = buffer, input, token
-    self.pair_id, self.finish = pair_id, finish
+    self.site, self.finish = site, finish
 
   def tree_flatten(self):
-    return (self.buffer, self.input, self.token), (self.pair_id, self.finish)
+    return (self.buffer, self.input, self.token), (self.site, self.finish)
 
   def after_start(self, tree):
     """`tree` ordered after this start (an optimization barrier with its token; no copy):
@@ -98,12 +96,12 @@ class Pending:
 
 
 def _start(op, x, axes, n, *, perm=(), peers_only=False, invariant=False, finish=None):
-  pair_id = next(_pair_ids)
+  site = axes_lib.new_site()
   buf, token = start_p.bind(x, op=op, axes=tuple(axes), axis_size=int(n), perm=tuple(perm),
                             peers_only=bool(peers_only), invariant=bool(invariant),
-                            pair_id=pair_id)
+                            site=site)
   x_after_start, _ = jax.lax.optimization_barrier((x, token))
-  return Pending(buf, x_after_start, token, pair_id, finish or (lambda b: b))
+  return Pending(buf, x_after_start, token, site, finish or (lambda b: b))
 
 
 def done(pending: Pending, *deps):
@@ -112,7 +110,7 @@ def done(pending: Pending, *deps):
   if not isinstance(pending, Pending):
     raise TypeError(f"jax_hoccl.done expects what a *_start returned, got {type(pending)}")
   flat, tree = jax.tree.flatten(deps)
-  buf, *flat = done_p.bind(pending.buffer, pending.input, *flat, pair_id=pending.pair_id)
+  buf, *flat = done_p.bind(pending.buffer, pending.input, *flat, site=pending.site)
   return (pending.finish(buf), *jax.tree.unflatten(tree, flat))
 
 

@@ -16,29 +16,30 @@ from jax_hoccl._src.ops import common
 ppermute_p = ji.Primitive("hoccl_ppermute")
 
 
-def _abstract_eval(x, *, axes, axis_size, perm):
+def _abstract_eval(x, *, axes, axis_size, perm, site):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl ppermute: input must be varying over {axes}, got {set(vma)}")
   return ji.with_type(x, x.shape, vma)
 
 
-def _lowering(ctx, x, *, axes, axis_size, perm):
+def _lowering(ctx, x, *, axes, axis_size, perm, site):
   dst = np.full(axis_size, -1, np.int64)
   for s, d in perm:
     dst[s] = d
   return ffi_lower("hoccl_ppermute", "ppermute", ctx, x, permute_dst=dst,
-                   **axes_lib.ffi_group_attrs(ctx, axes, "ppermute"))
+                   **axes_lib.ffi_group_attrs(ctx, axes, "ppermute", site))
 
 
-def _transpose(ct, x, *, axes, axis_size, perm):
+def _transpose(ct, x, *, axes, axis_size, perm, site):
   inverse = tuple((d, s) for s, d in perm)
-  return [ppermute_p.bind(ct, axes=axes, axis_size=axis_size, perm=inverse)]
+  return [ppermute_p.bind(ct, axes=axes, axis_size=axis_size, perm=inverse,
+                          site=axes_lib.new_site())]
 
 
-def _batch(args, dims, *, axes, axis_size, perm):
+def _batch(args, dims, **params):
   (x,), (d,) = args, dims
-  return ppermute_p.bind(x, axes=axes, axis_size=axis_size, perm=perm), d
+  return ppermute_p.bind(x, **params), d
 
 
 ppermute_p.def_abstract_eval(_abstract_eval)
@@ -69,6 +70,7 @@ def ppermute(x, axis_name, perm):
   def one(leaf):
     leaf = jnp.asarray(leaf)
     axes_lib.check_dtype(leaf, "ppermute")
-    return ppermute_p.bind(common.ensure_varying(leaf, axes), axes=axes, axis_size=n, perm=perm)
+    return ppermute_p.bind(common.ensure_varying(leaf, axes), axes=axes, axis_size=n, perm=perm,
+                           site=axes_lib.new_site())
 
   return jax.tree.map(one, x)

@@ -52,14 +52,14 @@ def psum_algorithm(name: str):
     _local.algorithm = prev
 
 
-def _abstract_eval(x, *, axes, axis_size, algorithm):
+def _abstract_eval(x, *, axes, axis_size, algorithm, site):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl psum: input must be varying over {axes}, got {set(vma)}")
   return ji.with_type(x, x.shape, vma - set(axes))
 
 
-def _impl(x, *, axes, axis_size, algorithm):
+def _impl(x, *, axes, axis_size, algorithm, site):
   n = axis_size
   if algorithm == "one_shot":
     return common.sum_leading(gather_stacked(x, axes, n, invariant=True))
@@ -73,12 +73,13 @@ def _impl(x, *, axes, axis_size, algorithm):
   return full[:size].reshape(x.shape)
 
 
-def _transpose(ct, x, *, axes, axis_size, algorithm):
+def _transpose(ct, x, *, axes, axis_size, algorithm, site):
   if ji.check_vma_enabled():
     # Typed invariant, the cotangent is the same on every rank: psum is psum + pbroadcast.
     return [jax.lax.pcast(ct, tuple(axes), to="varying")]
   # Without types the cotangent may differ per rank: the true transpose sums it.
-  return [psum_p.bind(ct, axes=axes, axis_size=axis_size, algorithm=algorithm)]
+  return [psum_p.bind(ct, axes=axes, axis_size=axis_size, algorithm=algorithm,
+                      site=axes_lib.new_site())]
 
 
 def _batch(args, dims, **params):
@@ -102,6 +103,7 @@ def psum(x, axis_name, *, axis_index_groups=None):
     if leaf.dtype == jnp.bool_:
       leaf = leaf.astype(jnp.int32)
     algo = choose_algorithm(leaf.size * leaf.dtype.itemsize, n)
-    return psum_p.bind(common.ensure_varying(leaf, axes), axes=axes, axis_size=n, algorithm=algo)
+    return psum_p.bind(common.ensure_varying(leaf, axes), axes=axes, axis_size=n, algorithm=algo,
+                       site=axes_lib.new_site())
 
   return jax.tree.map(one, x)

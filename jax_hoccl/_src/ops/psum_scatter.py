@@ -18,7 +18,7 @@ from jax_hoccl._src.ops.all_to_all import exchange_stacked
 reduce_scatter_p = ji.Primitive("hoccl_reduce_scatter")
 
 
-def _abstract_eval(x, *, axes, axis_size):
+def _abstract_eval(x, *, axes, axis_size, site):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl psum_scatter: input must be varying over {axes}, got {set(vma)}")
@@ -27,20 +27,20 @@ def _abstract_eval(x, *, axes, axis_size):
   return ji.with_type(x, x.shape[1:], vma)
 
 
-def _impl(x, *, axes, axis_size):
+def _impl(x, *, axes, axis_size, site):
   return common.sum_leading(exchange_stacked(x, axes, axis_size))
 
 
-def _transpose(ct, x, *, axes, axis_size):
+def _transpose(ct, x, *, axes, axis_size, site):
   from jax_hoccl._src.ops.all_gather import gather_stacked
   return [gather_stacked(ct, axes, axis_size)]
 
 
-def _batch(args, dims, *, axes, axis_size):
+def _batch(args, dims, **params):
   (x,), (d,) = args, dims
   if d == 0:
     x, d = jnp.moveaxis(x, 0, 1), 1
-  return reduce_scatter_p.bind(x, axes=axes, axis_size=axis_size), d - 1
+  return reduce_scatter_p.bind(x, **params), d - 1
 
 
 reduce_scatter_p.def_abstract_eval(_abstract_eval)
@@ -50,7 +50,9 @@ ji.primitive_batchers[reduce_scatter_p] = _batch
 
 
 def reduce_scatter_stacked(x, axes, axis_size):
-  return reduce_scatter_p.bind(x, axes=tuple(axes), axis_size=int(axis_size))
+  # `site` only makes each bind distinct, so lowerings are not shared between call sites.
+  return reduce_scatter_p.bind(x, axes=tuple(axes), axis_size=int(axis_size),
+                               site=axes_lib.new_site())
 
 
 def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, tiled=False):
