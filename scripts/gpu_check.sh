@@ -41,8 +41,8 @@ if command -v ncu >/dev/null 2>&1; then
     log="$OUTDIR/ncu_$op.log"
     timeout 180 ncu --clock-control none --csv --metrics gpu__time_duration.sum \
       $PY benchmarks/kernel_check.py $op >"$log" 2>&1
-    k=$(grep -c '"gpu__time_duration.sum"' "$log")
-    names=$(grep '"gpu__time_duration.sum"' "$log" | awk -F'","' '{print $5}' | sort | uniq -c | head -3 | tr -s ' ' | tr '\n' ';')
+    k=$(grep -c 'gpu__time_duration' "$log")
+    names=$(grep 'gpu__time_duration' "$log" | awk -F'","' '{print $5}' | sort | uniq -c | head -3 | tr -s ' ' | tr '\n' ';')
     KERN+="$op=$k "
     echo "  $op: $k kernel launches in 3 calls ${names}"
   done
