@@ -1,6 +1,7 @@
 // Unit test of the scheduler (plan.h), without gtest: runs every rank's plan in a small
 // simulator under several interleavings and checks
-//   * the result of each collective (all_gather, all_to_all, ppermute incl. zero-fill),
+//   * the result of each collective (all_gather incl. peers_only, all_to_all, ppermute
+//     incl. zero-fill),
 //   * the handshakes: a peer's input is read only between WaitReady and SignalDone, every
 //     wait is eventually satisfied (no deadlock), an input is released (WaitDone) only
 //     after every reader signalled done, and each signal is sent exactly once,
@@ -46,6 +47,7 @@ std::string Describe(const OpSpec& s, const PlanOptions& o) {
   std::string d = std::string(hoccl::OpName(s.op)) + " n=" + std::to_string(s.group_size) +
                   " bytes=" + std::to_string(s.bytes) + " chunks=" + std::to_string(o.chunks) +
                   " channels=" + std::to_string(o.channels);
+  if (s.peers_only) d += " peers_only";
   if (s.op == OpKind::kPermute) {
     d += " dst=[";
     for (int x : s.permute_dst) d += std::to_string(x) + ",";
@@ -60,8 +62,15 @@ std::vector<uint8_t> Expected(const OpSpec& s, int me) {
   std::vector<uint8_t> out(hoccl::OutputBytes(s), 0);
   switch (s.op) {
     case OpKind::kAllGather:
-      for (int src = 0; src < n; ++src)
-        for (size_t i = 0; i < s.bytes; ++i) out[src * s.bytes + i] = InputByte(src, i);
+      if (s.peers_only) {
+        // Block k holds rank (me + 1 + k) % n's input; no own block.
+        for (int k = 0; k + 1 < n; ++k)
+          for (size_t i = 0; i < s.bytes; ++i)
+            out[k * s.bytes + i] = InputByte((me + 1 + k) % n, i);
+      } else {
+        for (int src = 0; src < n; ++src)
+          for (size_t i = 0; i < s.bytes; ++i) out[src * s.bytes + i] = InputByte(src, i);
+      }
       break;
     case OpKind::kAllToAll: {
       size_t b = s.bytes / n;
@@ -237,6 +246,10 @@ void CheckPlanShape(OpSpec spec, const PlanOptions& opt) {
       }
       if (s.kind == StepKind::kZero) zeroed += s.bytes;
     }
+    CHECK(!spec.peers_only || copies_per_peer[r] == 0, "%s: peers_only rank %d copies itself",
+          what.c_str(), r);
+    CHECK(spec.op == OpKind::kPermute || zeroed == 0, "%s: rank %d zero-fills", what.c_str(),
+          r);
     CHECK(copied + zeroed == hoccl::OutputBytes(spec), "%s: rank %d writes %zu of %zu bytes",
           what.c_str(), r, copied + zeroed, hoccl::OutputBytes(spec));
     const size_t block = spec.op == OpKind::kAllToAll ? spec.bytes / n : spec.bytes;
@@ -277,9 +290,16 @@ void TestValidate() {
   CHECK(!err(OpKind::kPermute, 3, 0, 4, {1, -2, 0}).empty(), "destination -2 accepted");
   CHECK(err(OpKind::kPermute, 3, 0, 4, {1, -1, 0}).empty(), "partial permutation rejected");
   CHECK(err(OpKind::kPermute, 3, 0, 4, {-1, -1, -1}).empty(), "empty permutation rejected");
+  OpSpec po{OpKind::kAllToAll, 2, 0, 4, {}};
+  po.peers_only = true;
+  CHECK(!hoccl::ValidateSpec(po).empty(), "peers_only all_to_all accepted");
+  po.op = OpKind::kAllGather;
+  CHECK(hoccl::ValidateSpec(po).empty(), "peers_only all_gather rejected");
 
   OpSpec ag{OpKind::kAllGather, 4, 0, 6, {}};
   CHECK(hoccl::OutputBytes(ag) == 24, "all_gather output bytes");
+  ag.peers_only = true;
+  CHECK(hoccl::OutputBytes(ag) == 18, "peers_only all_gather output bytes");
   OpSpec a2a{OpKind::kAllToAll, 4, 0, 8, {}};
   CHECK(hoccl::OutputBytes(a2a) == 8, "all_to_all output bytes");
   OpSpec perm{OpKind::kPermute, 4, 0, 8, {1, 2, 3, 0}};
@@ -291,6 +311,9 @@ void TestCollectives() {
   for (int n = 1; n <= 8; ++n) {
     for (size_t bytes : {size_t{1}, size_t{5}, size_t{16}, size_t{33}}) {
       RunAll(OpSpec{OpKind::kAllGather, n, 0, bytes, {}});
+      OpSpec peers{OpKind::kAllGather, n, 0, bytes, {}};
+      peers.peers_only = true;
+      RunAll(peers);
       RunAll(OpSpec{OpKind::kAllToAll, n, 0, bytes * n, {}});
     }
     // ppermute: shifts, the reverse, the identity, partial and empty permutations.
