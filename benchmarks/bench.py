@@ -164,7 +164,8 @@ def bench_interference(mesh, nbytes=256 * MIB, gemm_n=8192, gemms=30):
     e1.synchronize()
     return 2 * gemm_n ** 3 * gemms / (e0.elapsed_time(e1) / 1e3) / 1e12
 
-  gemm_loop()
+  for _ in range(3):  # warm up clocks and cuBLAS
+    gemm_loop()
   solo = float(np.median([gemm_loop() for _ in range(3)]))
   gemm_s = 2 * gemm_n ** 3 * gemms / (solo * 1e12)
   rows = []
@@ -175,19 +176,67 @@ def bench_interference(mesh, nbytes=256 * MIB, gemm_n=8192, gemms=30):
     for impl, mod in IMPLS.items():
       f1 = jax.jit(jax.shard_map(chain_fn(mod, op, n, 4), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
       t_op = time_call(f1, x, 2) / 4
-      k = int(min(400, max(8, 2.0 * gemm_s / t_op)))  # chain outlasts the GEMM loop
+      k = int(min(600, max(8, 3.0 * gemm_s / t_op)))  # chain outlasts the GEMM loop
       f = jax.jit(jax.shard_map(chain_fn(mod, op, n, k), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
       jax.block_until_ready(f(x))
       torch.cuda.synchronize()
+      t0 = time.perf_counter()
       y = f(x)           # async dispatch: the chain runs while the GEMMs run
       time.sleep(0.002)  # let the chain start first
+      t1 = time.perf_counter()
       tflops = gemm_loop()
+      t2 = time.perf_counter()
       jax.block_until_ready(y)
+      t3 = time.perf_counter()
+      # The GEMM window [t1, t2] must lie inside the chain [t0, t3] for the ratio to mean
+      # anything; chain_ms and gemm_window_ms let a reader check that.
       rows.append(dict(op=op, impl=impl, gemm_ratio=tflops / solo, gemm_tflops=tflops,
-                       solo_tflops=solo))
+                       solo_tflops=solo, chain_ms=(t3 - t0) * 1e3, gemm_window_ms=(t2 - t1) * 1e3,
+                       overlapped=bool(t3 - t2 > 0.001)))
       print(f"  GEMM beside {op:13s} {impl:10s} {tflops:7.1f} / {solo:7.1f} TFLOP/s = "
-            f"{tflops / solo:.3f}", flush=True)
+            f"{tflops / solo:.3f} (chain {rows[-1]['chain_ms']:.1f} ms, GEMMs "
+            f"{rows[-1]['gemm_window_ms']:.1f} ms)", flush=True)
     del x
+  solo_after = float(np.median([gemm_loop() for _ in range(3)]))
+  print(f"  solo GEMM before/after: {solo:.1f} / {solo_after:.1f} TFLOP/s", flush=True)
+  for r in rows:
+    r["solo_tflops_after"] = solo_after
+  return rows
+
+
+def bench_device_latency(mesh, sizes=(64 * KIB, 1 * MIB), k=50, gemm_n=4096):
+  """Device time of small ops with the host's per-op cost hidden: each op follows a GEMM
+  long enough that the host enqueues the next op while the GPU computes, so
+  (chain of GEMM+op) - (chain of GEMM alone) is what the op costs the GPU."""
+  n = mesh.shape["x"]
+  rows = []
+  rng = np.random.default_rng(2)
+  a = jax.device_put(rng.standard_normal((n * gemm_n, gemm_n), dtype=np.float32).astype(jnp.bfloat16),
+                     NamedSharding(mesh, P("x")))
+
+  def with_gemm(op_body):
+    def body(x, a):
+      for _ in range(k):
+        a = (a @ a) * 1e-3
+        x = op_body(x + a[0, 0].astype(x.dtype) * 0)
+      return x, a
+    return body
+
+  base = jax.jit(jax.shard_map(with_gemm(lambda x: x), mesh=mesh, in_specs=(P("x"), P("x")),
+                               out_specs=(P("x"), P("x"))))
+  for nbytes in sizes:
+    for op in OPS:
+      elems = per_device_input_elems(op, nbytes, n, 4)
+      x = jax.device_put(rng.standard_normal(elems * n, dtype=np.float32), NamedSharding(mesh, P("x")))
+      t_base = time_call(lambda v: base(v, a), x, 3)
+      for impl, mod in IMPLS.items():
+        one = chain_fn(mod, op, n, 1)
+        f = jax.jit(jax.shard_map(with_gemm(one), mesh=mesh, in_specs=(P("x"), P("x")),
+                                  out_specs=(P("x"), P("x"))))
+        t = (time_call(lambda v: f(v, a), x, 3) - t_base) / k
+        rows.append(dict(op=op, impl=impl, bytes_per_device=nbytes, device_time_us=t * 1e6))
+        print(f"  {op:13s} {impl:10s} {fmt_bytes(nbytes):>8s} device time {t * 1e6:8.1f} us "
+              "(host hidden behind GEMMs)", flush=True)
   return rows
 
 
@@ -218,6 +267,12 @@ def summary_table(result) -> str:
     lines.append("GEMM ratio beside op:  " + "  ".join(
         f"{r['op']}/{'hoccl' if r['impl'] == 'jax_hoccl' else 'lax'}={r['gemm_ratio']:.3f}"
         for r in result["interference"]))
+  lat = {(r["op"], r["impl"], r["bytes_per_device"]): r["device_time_us"]
+         for r in result.get("device_latency", [])}
+  if lat:
+    lines.append("device time with host hidden (us): " + "  ".join(
+        f"{op}@{fmt_bytes(b)}={lat[(op, 'jax_hoccl', b)]:.1f}/{lat[(op, 'jax.lax', b)]:.1f}"
+        for (op, impl, b) in lat if impl == "jax_hoccl"))
   for r in result.get("fused", []):
     lines.append(f"fused {r['op']:22s} {r['impl']:28s} {r['shape']:24s} {r['time_ms']:8.3f} ms "
                  f"(GEMM only {r['gemm_only_ms']:.3f} ms, x{r['time_ms'] / r['gemm_only_ms']:.2f})")
@@ -246,7 +301,7 @@ def main(argv=None):
       machine=f"{socket.gethostname()} ({machine_name()})", gpus=len(devices) if on_gpu else 0,
       devices=[str(d.device_kind) for d in devices], jax=jax.__version__,
       date=datetime.date.today().isoformat(), commit=git_commit(), python=platform.python_version(),
-      collectives=[], interference=[], fused=[])
+      collectives=[], interference=[], fused=[], device_latency=[])
   print("== collectives", flush=True)
   result["collectives"] = bench_collectives(mesh, sizes, args.repeats)
   if on_gpu and len(devices) >= 2:
@@ -254,6 +309,8 @@ def main(argv=None):
     if not args.quick and not args.no_interference:
       print("== interference", flush=True)
       result["interference"] = bench_interference(mesh)
+    print("== small-op device time (host hidden)", flush=True)
+    result["device_latency"] = bench_device_latency(mesh)
   if not args.no_fused:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `python -P` leaves it out
     from bench_fused import bench_fused
