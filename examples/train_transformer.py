@@ -330,6 +330,8 @@ def parse_args(argv=None):
   ap.add_argument("--tp", type=int, help="tensor-parallel size (default 2 if possible)")
   ap.add_argument("--fused", action="store_true",
                   help="hoccl: use all_gather_matmul / matmul_reduce_scatter in the layers")
+  ap.add_argument("--size", choices=("small", "large"), default="small",
+                  help="model size: small (CPU, default) or large (d_model 1024, seq 1024)")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--rtol", type=float, default=1e-4)
   return ap.parse_args(argv)
@@ -347,6 +349,9 @@ def main(argv=None) -> int:
   if dp * tp > len(devices) or dp * tp == 0:
     sys.exit(f"mesh {dp}x{tp} needs {dp * tp} devices, have {len(devices)}")
   cfg = Config(steps=args.steps)
+  if args.size == "large":  # big enough that the collectives move megabytes (GPU timing)
+    cfg = cfg._replace(seq=1024, batch=16, d_model=1024, heads=16, d_ff=4096, layers=4,
+                       lr=1e-3)
   check_config(cfg, dp, tp)
   mesh = jax.make_mesh((dp, tp), (DP, TP), devices=devices[:dp * tp])
   print(f"{len(devices)} {devices[0].platform} devices, mesh dp={dp} x tp={tp}; "

@@ -198,6 +198,10 @@ FUSED = {
     "matmul_all_to_all": (lambda x, w: jax_hoccl.matmul_all_to_all(x, w, "x"),
                           lambda x, w: jax.lax.all_to_all(jnp.matmul(x, w), "x", 0, 0, tiled=True),
                           (P("x"), P("x")), P("x"), None, None),
+    "embedding_all_to_all": (lambda t, i: jax_hoccl.embedding_all_to_all(t, i, "x"),
+                             lambda t, i: jax.lax.all_to_all(jnp.take(t, i, axis=0).sum(-2), "x",
+                                                             0, 0, tiled=True),
+                             (P("x"), P("x")), P("x"), None, None),
 }
 
 
@@ -207,13 +211,17 @@ def test_fused_on_gpu(mesh, name):
   ours, ref, in_specs, out_spec, xs, ws = FUSED[name]
   if name == "matmul_all_to_all":
     x, w = _rand((n * n, 3, 16, 32), jnp.float32, 11), _rand((n * 3, 32, 24), jnp.float32, 12)
+  elif name == "embedding_all_to_all":
+    x = _rand((n * 100, 16), jnp.float32, 11)  # table shard [100, 16] per GPU
+    w = np.random.default_rng(12).integers(0, 100, (n * n, 8, 5)).astype(np.int32)  # ids
   else:
     x, w = _rand(xs, jnp.float32, 11), _rand(ws, jnp.float32, 12)
   args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), in_specs)]
   run = lambda f: np.asarray(jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs,  # noqa: E731
                                                   out_specs=out_spec))(*args))
   np.testing.assert_allclose(run(ours), run(ref), rtol=1e-4, atol=1e-4)
+  argnums = (0,) if name == "embedding_all_to_all" else (0, 1)  # ids have no gradient
   loss = lambda f: jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.sin(jax.shard_map(  # noqa: E731
-      f, mesh=mesh, in_specs=in_specs, out_specs=out_spec)(a, b))), argnums=(0, 1)))(*args)
+      f, mesh=mesh, in_specs=in_specs, out_specs=out_spec)(a, b))), argnums=argnums))(*args)
   for g1, g2 in zip(loss(ours), loss(ref)):
     np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-4, atol=1e-4)
