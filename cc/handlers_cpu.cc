@@ -6,7 +6,7 @@
 
 #include "communicator.h"
 #include "cpu_executor.h"
-#include "group.h"
+#include "handler_common.h"
 #include "handlers.h"
 #include "handlers_async.h"
 #include "plan.h"
@@ -20,16 +20,13 @@ namespace {
 ffi::Error RunCpu(OpKind op, int64_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                   ffi::Span<const int64_t> groups, int64_t group_size,
                   ffi::Span<const int64_t> permute_dst, int64_t site, bool peers_only = false) {
-  GroupPosition pos;
-  std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
-  if (!err.empty()) return ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) + ": " + err);
-  OpSpec spec{op, static_cast<int>(group_size), pos.rank, x.size_bytes(), {}, peers_only};
-  spec.permute_dst.assign(permute_dst.begin(), permute_dst.end());
-  if (out->size_bytes() != OutputBytes(spec))
-    return ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) +
-                                       ": output size does not match the input");
-  Communicator& comm = GetCommunicator("cpu", pos.device_ids);
-  err = RunOnCpu(comm, spec, site, x.untyped_data(), out->untyped_data());
+  OpSpec spec;
+  std::vector<int64_t> ids;
+  ffi::Error decoded = DecodeOp(op, device, x.size_bytes(), out->size_bytes(), groups,
+                                group_size, permute_dst, peers_only, &spec, &ids);
+  if (!decoded.success()) return decoded;
+  Communicator& comm = GetCommunicator("cpu", ids);
+  std::string err = RunOnCpu(comm, spec, site, x.untyped_data(), out->untyped_data());
   if (!err.empty()) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, err);
   return ffi::Error::Success();
 }

@@ -16,7 +16,7 @@
 
 #include "communicator.h"
 #include "cuda_executor.h"
-#include "group.h"
+#include "handler_common.h"
 #include "handlers.h"
 #include "handlers_async.h"
 #include "plan.h"
@@ -62,18 +62,14 @@ ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffe
                  groups.size(), static_cast<long long>(group_size));
     std::fflush(stderr);
   }
-  GroupPosition pos;
-  std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
-  if (!err.empty())
-    return ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) + ": " + err);
-  OpSpec spec{op, static_cast<int>(group_size), pos.rank, x.size_bytes(), {}};
-  spec.permute_dst.assign(permute_dst.begin(), permute_dst.end());
-  if (out->size_bytes() != OutputBytes(spec))
-    return ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) +
-                                       ": output size does not match the input");
+  OpSpec spec;
+  std::vector<int64_t> ids;
+  ffi::Error decoded = DecodeOp(op, device, x.size_bytes(), out->size_bytes(), groups,
+                                group_size, permute_dst, false, &spec, &ids);
+  if (!decoded.success()) return decoded;
   // Every rank sees the same shapes, so all skip together and sequence numbers stay in step.
   if (spec.bytes == 0) return ffi::Error::Success();
-  Communicator& comm = CudaCommunicator(pos.device_ids);
+  Communicator& comm = CudaCommunicator(ids);
   ExecStatus st = RunOnCuda(comm, spec, stream, x.untyped_data(), out->untyped_data());
   if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
   return ffi::Error::Success();
@@ -142,17 +138,13 @@ ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, ffi::An
   if ((e = cudaEventRecord(a.fork, xla_stream)) != cudaSuccess) return CudaFail("cudaEventRecord", e);
   if ((e = cudaStreamWaitEvent(a.stream, a.fork, 0)) != cudaSuccess)
     return CudaFail("cudaStreamWaitEvent", e);
-  GroupPosition pos;
-  std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
-  if (!err.empty())
-    return ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) + ": " + err);
-  OpSpec spec{op, static_cast<int>(group_size), pos.rank, x.size_bytes(), {}, peers_only};
-  spec.permute_dst.assign(permute_dst.begin(), permute_dst.end());
-  if (out->size_bytes() != OutputBytes(spec))
-    return ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) +
-                                       ": output size does not match the input");
+  OpSpec spec;
+  std::vector<int64_t> ids;
+  ffi::Error decoded = DecodeOp(op, device, x.size_bytes(), out->size_bytes(), groups,
+                                group_size, permute_dst, peers_only, &spec, &ids);
+  if (!decoded.success()) return decoded;
   if (spec.bytes > 0 && OutputBytes(spec) > 0) {
-    Communicator& comm = CudaCommunicator(pos.device_ids);
+    Communicator& comm = CudaCommunicator(ids);
     ExecStatus st = RunOnCuda(comm, spec, a.stream, x.untyped_data(), out->untyped_data());
     if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
   }

@@ -1,0 +1,35 @@
+// What every FFI handler (CPU or CUDA, sync or start) does first: find this device's group
+// and rank in the `groups` attribute and build the op's spec, checking the output size.
+#ifndef JAX_HOCCL_HANDLER_COMMON_H_
+#define JAX_HOCCL_HANDLER_COMMON_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "group.h"
+#include "plan.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace hoccl {
+
+inline xla::ffi::Error DecodeOp(OpKind op, int64_t device, size_t in_bytes, size_t out_bytes,
+                                xla::ffi::Span<const int64_t> groups, int64_t group_size,
+                                xla::ffi::Span<const int64_t> permute_dst, bool peers_only,
+                                OpSpec* spec, std::vector<int64_t>* group_ids) {
+  GroupPosition pos;
+  std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
+  if (!err.empty())
+    return xla::ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) + ": " + err);
+  *spec = OpSpec{op, static_cast<int>(group_size), pos.rank, in_bytes, {}, peers_only};
+  spec->permute_dst.assign(permute_dst.begin(), permute_dst.end());
+  if (out_bytes != OutputBytes(*spec))
+    return xla::ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) +
+                                            ": output size does not match the input");
+  *group_ids = std::move(pos.device_ids);
+  return xla::ffi::Error::Success();
+}
+
+}  // namespace hoccl
+
+#endif  // JAX_HOCCL_HANDLER_COMMON_H_
