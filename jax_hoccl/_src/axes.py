@@ -91,7 +91,20 @@ def new_site() -> int:
   return next(_sites)
 
 
+def check_single_process(mesh, axes, op: str) -> None:
+  """Groups must live in one process for now: peers find each other through an in-process
+  rendezvous (one process per GPU needs the IPC transport, see cc/cuda_executor.h)."""
+  procs = np.vectorize(lambda d: d.process_index, otypes=[int])(np.asarray(mesh.devices))
+  table = group_table(type("M", (), {"axis_names": mesh.axis_names, "device_ids": procs})(), axes)
+  if (table != table[:, :1]).any():
+    raise NotImplementedError(
+        f"jax_hoccl.{op}: the group over {axes} spans several processes; jax_hoccl runs "
+        "collectives among the devices of one process only so far (use one process driving "
+        "all local GPUs, or jax.lax for axes that cross processes).")
+
+
 def ffi_group_attrs(ctx, axes, op: str, site: int) -> dict:
   mesh = ji.concrete_mesh_from_lowering(ctx, op)
+  check_single_process(mesh, axes, op)
   table = group_table(mesh, axes)
   return dict(groups=table.reshape(-1), group_size=np.int64(table.shape[1]), site=np.int64(site))
