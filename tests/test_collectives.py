@@ -190,7 +190,7 @@ def test_ppermute(mesh, name, kind):
 
 # ----------------------------------------------------------------------------------- psum
 @pytest.mark.parametrize("local", [(2, 4), (5,)], ids=["divisible", "ragged"])
-@pytest.mark.parametrize("algorithm", ["one_shot", "two_step"])
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_step", "pipelined"])
 @pytest.mark.parametrize("mesh,name", AXIS_CASES)
 def test_psum(mesh, name, algorithm, local):
   inputs = global_inputs(mesh, local, some_dtypes(name, algorithm, local), seed=5)
@@ -199,13 +199,15 @@ def test_psum(mesh, name, algorithm, local):
   def ours(t):
     return hc.psum(t, name)
 
-  expect = ["hoccl_all_gather"] + (["hoccl_all_to_all"] if algorithm == "two_step" else [])
+  expect = {"one_shot": ["hoccl_all_gather"],
+            "two_step": ["hoccl_all_gather", "hoccl_all_to_all"],
+            "pipelined": ["hoccl_all_gather_start", "hoccl_all_to_all_start"]}[algorithm]
   with hc.psum_algorithm(algorithm):
     got = run_compare(mesh, ours, typed, ref, inputs, summing=True, expect=expect)
     text = assert_lowers_to_ours(
         jax.shard_map(ours, mesh=mesh, in_specs=all_axes_spec(mesh),
                       out_specs=all_axes_spec(mesh)), inputs)
-  assert ("hoccl_all_to_all" in text) == (algorithm == "two_step")
+  assert ("hoccl_all_to_all" in text) == (algorithm != "one_shot")
   if "bool" in got:
     assert got["bool"].dtype == jnp.int32
 
