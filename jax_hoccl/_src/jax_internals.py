@@ -15,7 +15,6 @@ from jax._src.sharding_impls import SPMDAxisContext
 
 Primitive = core.Primitive
 deflinear2 = ad.deflinear2
-is_undefined_primal = ad.is_undefined_primal
 register_lowering = mlir.register_lowering
 lower_fun = mlir.lower_fun
 primitive_batchers = batching.primitive_batchers
