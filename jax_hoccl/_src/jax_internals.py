@@ -38,8 +38,14 @@ def concrete_mesh_from_lowering(ctx, op_name: str):
   """The concrete mesh a shard_map body is lowered for (device ids needed for the groups)."""
   axis_ctx = ctx.module_context.axis_context
   mesh = getattr(axis_ctx, "mesh", None) if isinstance(axis_ctx, SPMDAxisContext) else None
-  if mesh is None or not hasattr(mesh, "device_ids"):
-    raise ValueError(
-        f"jax_hoccl.{op_name} must be lowered inside jax.shard_map over a concrete mesh "
-        f"(jax.make_mesh / jax.sharding.Mesh); got axis context {type(axis_ctx).__name__}.")
+  try:
+    np_ids = None if mesh is None else mesh.device_ids
+  except Exception:  # AbstractMesh raises on device_ids (a nested shard_map)
+    np_ids = None
+  if np_ids is None:
+    raise NotImplementedError(
+        f"jax_hoccl.{op_name} needs the device ids of its mesh at lowering, but this "
+        f"shard_map body is lowered for {type(mesh).__name__ if mesh is not None else type(axis_ctx).__name__}"
+        " without them (a shard_map nested inside another one). Use one jax.shard_map over "
+        "all the axes, or jax.lax collectives inside the nested one.")
   return mesh
