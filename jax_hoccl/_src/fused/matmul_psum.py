@@ -25,6 +25,12 @@ def default_chunks(rows: int, out_row_bytes: int) -> int:
 
 
 def multiply_and_sum(x, w, axes, n, chunks):
+  if chunks == 1:
+    # Nothing to overlap (GEMV / small shapes): the synchronous one-shot psum moves the same
+    # bytes without the async stream's fork and events.
+    from jax_hoccl._src.ops.psum import psum, psum_algorithm
+    with psum_algorithm("one_shot"):
+      return psum(x @ w, axes)
   rows = x.shape[0] // chunks
   sums, previous = [], None
   for i in range(chunks):
