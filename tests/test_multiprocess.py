@@ -1,5 +1,6 @@
-"""Groups that span processes (jax.distributed) are rejected at lowering with a clear
-error, instead of hanging in a rendezvous the other process can never join."""
+"""Several processes (jax.distributed, the multi-node case on CPU): groups that span
+processes are rejected at lowering with a clear error instead of hanging in a rendezvous the
+other process can never join; psum is the exception and runs hierarchically."""
 import os
 import socket
 import subprocess
@@ -16,8 +17,8 @@ WORKER = textwrap.dedent("""
     from jax.sharding import NamedSharding, PartitionSpec as P
     import jax_hoccl
     mesh = jax.make_mesh((2,), ("x",))
-    f = jax.jit(jax.shard_map(lambda v: jax_hoccl.psum(v, "x"), mesh=mesh, in_specs=P("x"),
-                              out_specs=P()))
+    f = jax.jit(jax.shard_map(lambda v: jax_hoccl.all_gather(v, "x"), mesh=mesh, in_specs=P("x"),
+                              out_specs=P("x")))
     x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), np.ones(4, np.float32))
     try:
         f.lower(x)
@@ -46,3 +47,50 @@ def test_group_across_processes_is_rejected(tmp_path):
   for out in outs:
     assert "REJECTED:" in out, out[-2000:]
     assert "spans several processes" in out
+
+
+HIERARCHICAL_WORKER = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+    import numpy as np, jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import jax_hoccl
+    # 2 "nodes" (processes) x 2 local devices each.
+    devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devs).reshape(2, 2), ("node", "local"))
+    spec = P(("node", "local"))
+    rng = np.random.default_rng(int(sys.argv[2]))
+    local = rng.standard_normal((2 * 6, 5)).astype(np.float32)  # 2 local devices x 6 rows
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local)
+    for axes in [("node", "local"), "node", ("local", "node")]:
+        outs = []
+        for mod in (jax_hoccl, jax.lax):
+            f = jax.jit(jax.shard_map(lambda v: mod.psum(v, axes), mesh=mesh, in_specs=spec,
+                                      out_specs=spec))
+            outs.append(np.asarray(f(x).addressable_data(0)))
+            text = f.lower(x).as_text()
+        assert "hoccl_" in jax.jit(jax.shard_map(lambda v: jax_hoccl.psum(v, ("node", "local")),
+            mesh=mesh, in_specs=spec, out_specs=spec)).lower(x).as_text()
+        err = float(np.abs(outs[0] - outs[1]).max())
+        print("AXES", axes, "MAXERR", err, flush=True)
+        assert err < 1e-5, err
+    print("HIERARCHICAL_OK", flush=True)
+""")
+
+
+def test_psum_across_processes_is_hierarchical(tmp_path):
+  """psum over an axis that spans processes ("nodes"): jax_hoccl inside each process, XLA's
+  collective across them; equal to jax.lax.psum."""
+  script = tmp_path / "worker.py"
+  script.write_text(HIERARCHICAL_WORKER)
+  addr = f"127.0.0.1:{_free_port()}"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  procs = [subprocess.Popen([sys.executable, "-P", str(script), addr, str(i)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  outs = [p.communicate(timeout=180)[0] for p in procs]
+  for out in outs:
+    assert "HIERARCHICAL_OK" in out, out[-3000:]

@@ -91,16 +91,22 @@ def new_site() -> int:
   return next(_sites)
 
 
+def spans_processes(mesh, axes) -> bool:
+  """Whether some group along `axes` holds devices of more than one process."""
+  procs = np.vectorize(lambda d: d.process_index, otypes=[int])(np.asarray(mesh.devices))
+  table = group_table(type("M", (), {"axis_names": mesh.axis_names, "device_ids": procs})(), axes)
+  return bool((table != table[:, :1]).any())
+
+
 def check_single_process(mesh, axes, op: str) -> None:
   """Groups must live in one process for now: peers find each other through an in-process
   rendezvous (one process per GPU needs the IPC transport, see cc/cuda_executor.h)."""
-  procs = np.vectorize(lambda d: d.process_index, otypes=[int])(np.asarray(mesh.devices))
-  table = group_table(type("M", (), {"axis_names": mesh.axis_names, "device_ids": procs})(), axes)
-  if (table != table[:, :1]).any():
+  if spans_processes(mesh, axes):
     raise NotImplementedError(
         f"jax_hoccl.{op}: the group over {axes} spans several processes; jax_hoccl runs "
-        "collectives among the devices of one process only so far (use one process driving "
-        "all local GPUs, or jax.lax for axes that cross processes).")
+        "collectives among the devices of one process only so far (psum is the exception: "
+        "it sums inside each process with jax_hoccl and across processes with jax.lax). Use one "
+        "process driving all local GPUs, or jax.lax for axes that cross processes.")
 
 
 def ffi_group_attrs(ctx, axes, op: str, site: int) -> dict:

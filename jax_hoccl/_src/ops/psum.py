@@ -116,7 +116,31 @@ def _batch(args, dims, **params):
 
 
 psum_p.def_abstract_eval(_abstract_eval)
-ji.register_lowering(psum_p, ji.lower_fun(_impl, multiple_results=False))
+def _hierarchical(x, *, local, cross, algorithm):
+  """psum over axes whose groups span processes (nodes): copy engines inside each process,
+  XLA's own collective (NCCL / gloo) across them."""
+  if local:
+    x = psum_p.bind(x, axes=local[0], axis_size=local[1], algorithm=algorithm,
+                    site=axes_lib.new_site())
+  return jax.lax.psum(x, cross)
+
+
+def _lowering(ctx, x, *, axes, axis_size, algorithm, site):
+  mesh = ji.concrete_mesh_from_lowering(ctx, "psum")
+  if not axes_lib.spans_processes(mesh, axes):
+    return ji.lower_fun(_impl, multiple_results=False)(
+        ctx, x, axes=axes, axis_size=axis_size, algorithm=algorithm, site=site)
+  # Split the axes: those whose groups stay inside one process, and the rest.
+  cross = tuple(a for a in axes if axes_lib.spans_processes(mesh, (a,)))
+  local_axes = tuple(a for a in axes if a not in cross)
+  if local_axes and axes_lib.spans_processes(mesh, local_axes):
+    cross, local_axes = axes, ()
+  local = (local_axes, int(np.prod([mesh.shape[a] for a in local_axes]))) if local_axes else None
+  return ji.lower_fun(_hierarchical, multiple_results=False)(
+      ctx, x, local=local, cross=cross, algorithm=algorithm)
+
+
+ji.register_lowering(psum_p, _lowering)
 ji.deflinear2(psum_p, _transpose)
 ji.primitive_batchers[psum_p] = _batch
 
