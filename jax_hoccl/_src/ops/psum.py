@@ -117,12 +117,21 @@ def _batch(args, dims, **params):
 
 psum_p.def_abstract_eval(_abstract_eval)
 def _hierarchical(x, *, local, cross, algorithm):
-  """psum over axes whose groups span processes (nodes): copy engines inside each process,
-  XLA's own collective (NCCL / gloo) across them."""
-  if local:
-    x = psum_p.bind(x, axes=local[0], axis_size=local[1], algorithm=algorithm,
-                    site=axes_lib.new_site())
-  return jax.lax.psum(x, cross)
+  """psum over axes whose groups span processes (nodes): reduce-scatter inside each process
+  (copy engines), XLA's own psum across processes on 1/n_local of the bytes (NCCL / gloo),
+  all-gather inside each process (copy engines)."""
+  if not local:
+    return jax.lax.psum(x, cross)
+  local_axes, n = local
+  flat = x.reshape(-1)
+  size = flat.shape[0]
+  padded = -(-size // n) * n
+  if padded != size:
+    flat = jnp.pad(flat, (0, padded - size))
+  part = reduce_scatter_stacked(flat.reshape(n, padded // n), local_axes, n)
+  part = jax.lax.psum(part, cross)
+  full = gather_stacked(part, local_axes, n, invariant=True).reshape(-1)
+  return full[:size].reshape(x.shape)
 
 
 def _lowering(ctx, x, *, axes, axis_size, algorithm, site):
