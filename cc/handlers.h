@@ -1,5 +1,6 @@
 // The FFI handler symbols the nanobind module exposes to Python (module.cc). One handler per
-// mover and platform; all take (x) -> out with attributes groups, group_size[, permute_dst].
+// mover and platform; all take (x) -> out with attributes groups, group_size, site
+// [, permute_dst] (see jax_hoccl/_src/axes.py for what they mean).
 #ifndef JAX_HOCCL_HANDLERS_H_
 #define JAX_HOCCL_HANDLERS_H_
 
