@@ -1,6 +1,9 @@
-// The FFI handler symbols the nanobind module exposes to Python (module.cc). One handler per
-// mover and platform; all take (x) -> out with attributes groups, group_size, site
-// [, permute_dst] (see jax_hoccl/_src/axes.py for what they mean).
+// The FFI handler symbols the nanobind module exposes to Python (module.cc), one per op and
+// platform. Movers take (x) -> out with attributes groups, group_size, site[, permute_dst]
+// (see jax_hoccl/_src/axes.py). Async pairs: `<op>_start` takes the same plus peers_only for
+// all_gather and returns (out, token): it enqueues the copies and returns at once, out still
+// being filled; `done` makes XLA's stream wait for them, its outputs aliasing its inputs
+// (jax_hoccl/_src/ops/async_collectives.py).
 #ifndef JAX_HOCCL_HANDLERS_H_
 #define JAX_HOCCL_HANDLERS_H_
 
@@ -12,10 +15,18 @@ extern "C" {
 XLA_FFI_Error* kAllGatherCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kAllGatherStartCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kAllToAllStartCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kPermuteStartCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kDoneCpu(XLA_FFI_CallFrame* call_frame);
 #ifdef JAX_HOCCL_WITH_CUDA
 XLA_FFI_Error* kAllGatherCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kAllGatherStartCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kAllToAllStartCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kPermuteStartCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kDoneCuda(XLA_FFI_CallFrame* call_frame);
 #endif
 }
 

@@ -8,7 +8,6 @@
 #include "cpu_executor.h"
 #include "handler_common.h"
 #include "handlers.h"
-#include "handlers_async.h"
 #include "plan.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -32,8 +31,8 @@ ffi::Error RunCpu(OpKind op, int64_t device, ffi::AnyBuffer x, ffi::Result<ffi::
 }
 
 // Async pairs on CPU: the host engine has no streams to overlap with, so `start` runs the
-// whole op and `done` has nothing left to wait for. Output 1 of start aliases its input and
-// done's outputs alias its inputs (set in the lowering), so neither copies anything.
+// whole op and `done` has nothing left to wait for. Output 1 of start is an ordering token
+// nobody reads, and done's outputs alias its inputs (set in the lowering), so neither copies.
 ffi::Error AllGatherStartCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                              ffi::Result<ffi::AnyBuffer>, ffi::Span<const int64_t> groups,
                              int64_t group_size, int64_t peers_only, int64_t site) {

@@ -18,7 +18,6 @@
 #include "cuda_executor.h"
 #include "handler_common.h"
 #include "handlers.h"
-#include "handlers_async.h"
 #include "plan.h"
 #include "xla/ffi/api/ffi.h"
 

@@ -9,7 +9,6 @@
 
 #include "communicator.h"
 #include "handlers.h"
-#include "handlers_async.h"
 #include "plan.h"
 
 namespace nb = nanobind;

@@ -35,16 +35,20 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def test_group_across_processes_is_rejected(tmp_path):
+def _run_two_processes(tmp_path, worker: str, timeout: float):
+  """Runs `worker` as processes 0 and 1 of a jax.distributed job on localhost; their output."""
   script = tmp_path / "worker.py"
-  script.write_text(WORKER)
+  script.write_text(worker)
   addr = f"127.0.0.1:{_free_port()}"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   procs = [subprocess.Popen([sys.executable, "-P", str(script), addr, str(i)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(2)]
-  outs = [p.communicate(timeout=120)[0] for p in procs]
-  for out in outs:
+  return [p.communicate(timeout=timeout)[0] for p in procs]
+
+
+def test_group_across_processes_is_rejected(tmp_path):
+  for out in _run_two_processes(tmp_path, WORKER, timeout=120):
     assert "REJECTED:" in out, out[-2000:]
     assert "spans several processes" in out
 
@@ -65,6 +69,9 @@ HIERARCHICAL_WORKER = textwrap.dedent("""
     rng = np.random.default_rng(int(sys.argv[2]))
     local = rng.standard_normal((2 * 6, 5)).astype(np.float32)  # 2 local devices x 6 rows
     x = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local)
+    # The local part really runs on jax_hoccl's engine.
+    assert "hoccl_" in jax.jit(jax.shard_map(lambda v: jax_hoccl.psum(v, ("node", "local")),
+        mesh=mesh, in_specs=spec, out_specs=spec)).lower(x).as_text()
     for axes, check_vma in [(("node", "local"), True), ("node", True), (("local", "node"), True),
                             (("node", "local"), False)]:
         outs = []
@@ -72,8 +79,6 @@ HIERARCHICAL_WORKER = textwrap.dedent("""
             f = jax.jit(jax.shard_map(lambda v: mod.psum(v, axes), mesh=mesh, in_specs=spec,
                                       out_specs=spec, check_vma=check_vma))
             outs.append(np.asarray(f(x).addressable_data(0)))
-        assert "hoccl_" in jax.jit(jax.shard_map(lambda v: jax_hoccl.psum(v, ("node", "local")),
-            mesh=mesh, in_specs=spec, out_specs=spec)).lower(x).as_text()
         err = float(np.abs(outs[0] - outs[1]).max())
         print("AXES", axes, "MAXERR", err, flush=True)
         assert err < 1e-5, err
@@ -84,13 +89,5 @@ HIERARCHICAL_WORKER = textwrap.dedent("""
 def test_psum_across_processes_is_hierarchical(tmp_path):
   """psum over an axis that spans processes ("nodes"): jax_hoccl inside each process, XLA's
   collective across them; equal to jax.lax.psum."""
-  script = tmp_path / "worker.py"
-  script.write_text(HIERARCHICAL_WORKER)
-  addr = f"127.0.0.1:{_free_port()}"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  procs = [subprocess.Popen([sys.executable, "-P", str(script), addr, str(i)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
-  outs = [p.communicate(timeout=180)[0] for p in procs]
-  for out in outs:
+  for out in _run_two_processes(tmp_path, HIERARCHICAL_WORKER, timeout=180):
     assert "HIERARCHICAL_OK" in out, out[-3000:]

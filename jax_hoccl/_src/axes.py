@@ -70,15 +70,19 @@ def check_dtype(x, op: str, summable: bool = False) -> None:
         f"Supported: {sorted(str(d) for d in allowed)}.")
 
 
-def group_table(mesh, axes) -> np.ndarray:
-  """Device ids of every group along `axes`: shape [num_groups, group_size], rows in rank
-  order (row-major over `axes` in the order given, as jax.lax.axis_index does)."""
-  names = list(mesh.axis_names)
-  ids = np.asarray(mesh.device_ids)
+def _by_group(values: np.ndarray, axis_names, axes) -> np.ndarray:
+  """A per-device array of the mesh regrouped [num_groups, group_size], rows in rank order
+  (row-major over `axes` in the order given, as jax.lax.axis_index does)."""
+  names = list(axis_names)
   others = [a for a in names if a not in axes]
   perm = [names.index(a) for a in others] + [names.index(a) for a in axes]
-  n = int(np.prod([ids.shape[names.index(a)] for a in axes]))
-  return np.ascontiguousarray(ids.transpose(perm).reshape(-1, n)).astype(np.int64)
+  n = int(np.prod([values.shape[names.index(a)] for a in axes]))
+  return np.ascontiguousarray(values.transpose(perm).reshape(-1, n))
+
+
+def group_table(mesh, axes) -> np.ndarray:
+  """Device ids of every group along `axes`: shape [num_groups, group_size]."""
+  return _by_group(np.asarray(mesh.device_ids), mesh.axis_names, axes).astype(np.int64)
 
 
 _sites = itertools.count(1)
@@ -94,7 +98,7 @@ def new_site() -> int:
 def spans_processes(mesh, axes) -> bool:
   """Whether some group along `axes` holds devices of more than one process."""
   procs = np.vectorize(lambda d: d.process_index, otypes=[int])(np.asarray(mesh.devices))
-  table = group_table(type("M", (), {"axis_names": mesh.axis_names, "device_ids": procs})(), axes)
+  table = _by_group(procs, mesh.axis_names, axes)
   return bool((table != table[:, :1]).any())
 
 

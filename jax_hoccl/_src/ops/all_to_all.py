@@ -64,18 +64,8 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None,
       raise ValueError("jax_hoccl.all_to_all: input must have rank >= 1.")
     s = common.canonical_axis(split_axis, nd, "all_to_all", "split_axis")
     c = common.canonical_axis(concat_axis, nd, "all_to_all", "concat_axis")
-    size = leaf.shape[s]
-    if tiled and size % n:
-      raise ValueError(f"jax_hoccl.all_to_all: split_axis {s} has size {size}, which does not "
-                       f"divide by the axis size {n} of {axes}.")
-    if not tiled and size != n:
-      raise ValueError(f"jax_hoccl.all_to_all: with tiled=False split_axis {s} must have size "
-                       f"{n} (the size of {axes}), got {size}.")
-    x = common.ensure_varying(leaf, axes)
-    # [.., n, size/n, ..] with the rank-block axis moved to the front.
-    shape = list(leaf.shape)
-    shape[s:s + 1] = [n, size // n]
-    blocks = jnp.moveaxis(x.reshape(shape), s, 0)
+    blocks = common.rank_blocks(common.ensure_varying(leaf, axes), s, n, tiled, axes,
+                                "all_to_all", "split_axis")
     got = exchange_stacked(blocks, axes, n)  # got[j] = rank j's block for me
     rest = list(got.shape[1:])  # the input shape with split axis size/n
     if tiled:

@@ -34,6 +34,22 @@ def axis_name_arg(axes):
   return axes[0] if len(axes) == 1 else axes
 
 
+def rank_blocks(x, axis: int, n: int, tiled: bool, axes, op: str, what: str):
+  """x with `axis` split into n rank blocks and the block index moved to the front:
+  [n, ..., size/n, ...]. Sizes checked like jax.lax: tiled needs size % n == 0, untiled
+  size == n."""
+  size = x.shape[axis]
+  if tiled and size % n:
+    raise ValueError(f"jax_hoccl.{op}: {what} {axis} has size {size}, which does not "
+                     f"divide by the axis size {n} of {axes}.")
+  if not tiled and size != n:
+    raise ValueError(f"jax_hoccl.{op}: with tiled=False {what} {axis} must have size "
+                     f"{n} (the size of {axes}), got {size}.")
+  shape = list(x.shape)
+  shape[axis:axis + 1] = [n, size // n]
+  return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
 def canonical_axis(axis: int, ndim: int, op: str, what: str) -> int:
   if not -ndim <= axis < ndim:
     raise ValueError(f"jax_hoccl.{op}: {what}={axis} is out of range for an array of rank {ndim}.")

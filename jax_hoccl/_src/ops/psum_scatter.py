@@ -68,17 +68,9 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
     if nd == 0:
       raise ValueError("jax_hoccl.psum_scatter: input must have rank >= 1.")
     d = common.canonical_axis(scatter_dimension, nd, "psum_scatter", "scatter_dimension")
-    size = leaf.shape[d]
-    if tiled and size % n:
-      raise ValueError(f"jax_hoccl.psum_scatter: scatter_dimension {d} has size {size}, which "
-                       f"does not divide by the axis size {n} of {axes}.")
-    if not tiled and size != n:
-      raise ValueError(f"jax_hoccl.psum_scatter: with tiled=False scatter_dimension {d} must "
-                       f"have size {n} (the size of {axes}), got {size}.")
-    x = common.ensure_varying(leaf, axes)
-    shape = list(leaf.shape)
-    shape[d:d + 1] = [n, size // n]
-    y = reduce_scatter_stacked(jnp.moveaxis(x.reshape(shape), d, 0), axes, n)
+    blocks = common.rank_blocks(common.ensure_varying(leaf, axes), d, n, tiled, axes,
+                                "psum_scatter", "scatter_dimension")
+    y = reduce_scatter_stacked(blocks, axes, n)
     return y if tiled else jnp.squeeze(y, axis=d)
 
   return jax.tree.map(one, x)
