@@ -286,6 +286,7 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--no-interference", action="store_true")
   ap.add_argument("--no-fused", action="store_true")
+  ap.add_argument("--fused-only", action="store_true", help="only the fused-op section")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   args = ap.parse_args(argv)
 
@@ -302,9 +303,10 @@ def main(argv=None):
       devices=[str(d.device_kind) for d in devices], jax=jax.__version__,
       date=datetime.date.today().isoformat(), commit=git_commit(), python=platform.python_version(),
       collectives=[], interference=[], fused=[], device_latency=[])
-  print("== collectives", flush=True)
-  result["collectives"] = bench_collectives(mesh, sizes, args.repeats)
-  if on_gpu and len(devices) >= 2:
+  if not args.fused_only:
+    print("== collectives", flush=True)
+    result["collectives"] = bench_collectives(mesh, sizes, args.repeats)
+  if on_gpu and len(devices) >= 2 and not args.fused_only:
     result["collectives"] += bench_raw_copy(sizes, args.repeats)
     if not args.quick and not args.no_interference:
       print("== interference", flush=True)

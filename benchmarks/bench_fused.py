@@ -90,18 +90,34 @@ def bench_fused(mesh, quick=False):
     w = rnd(k_dim, n_dim)
     specs = (P(None, "x"), P("x"))
     gemm = _timed(mesh, lambda x, w: x @ w, (x, w), specs)
-    record("matmul_reduce_scatter", shape, {
+    # The default piece schedule, and equal pieces for comparison (rows per rank block).
+    sweep = [] if quick else [2, 4, 8]
+    # GEMM alone: the mean of a run before and after these rows (H200 clocks drift by up to
+    # 10% over a minute of GEMMs at M=16384; both runs are printed).
+    impls_rs = {
         "jax_hoccl.matmul_reduce_scatter": _timed(
             mesh, lambda x, w: jax_hoccl.matmul_reduce_scatter(x, w, "x"), (x, w), specs),
+        **{f"jax_hoccl.matmul_reduce_scatter chunks={c}": _timed(
+            mesh, lambda x, w, c=c: jax_hoccl.matmul_reduce_scatter(x, w, "x", chunks=c),
+            (x, w), specs) for c in sweep},
         "jax.lax matmul+psum_scatter": _timed(
             mesh, lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True), (x, w), specs),
-    }, gemm)
-    record("matmul_psum", shape, {
+    }
+    impls_ps = {
         "jax_hoccl.matmul_psum": _timed(
             mesh, lambda x, w: jax_hoccl.matmul_psum(x, w, "x"), (x, w), specs),
+        **{f"jax_hoccl.matmul_psum chunks={c}": _timed(
+            mesh, lambda x, w, c=c: jax_hoccl.matmul_psum(x, w, "x", chunks=c),
+            (x, w), specs) for c in sweep},
         "jax.lax matmul+psum": _timed(
             mesh, lambda x, w: jax.lax.psum(x @ w, "x"), (x, w), specs),
-    }, gemm)
+    }
+    gemm_after = _timed(mesh, lambda x, w: x @ w, (x, w), specs)
+    print(f"  GEMM only before/after: {gemm:.3f} / {gemm_after:.3f} ms", flush=True)
+    gemm = (gemm + gemm_after) / 2
+    record("matmul_reduce_scatter", shape, impls_rs, gemm)
+    record("matmul_psum", shape, impls_ps, gemm)
+
 
   # GEMV shapes (decode): psum of a [M, K/n] @ [K/n, N] partial product.
   for m in ([1, 16] if quick else [1, 16, 64]):

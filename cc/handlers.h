@@ -3,7 +3,8 @@
 // (see jax_hoccl/_src/axes.py). Async pairs: `<op>_start` takes the same plus peers_only for
 // all_gather and returns (out, token): it enqueues the copies and returns at once, out still
 // being filled; `done` makes XLA's stream wait for them, its outputs aliasing its inputs
-// (jax_hoccl/_src/ops/async_collectives.py).
+// (jax_hoccl/_src/ops/async_collectives.py). `all_gather_into_start` writes its result into
+// rows [offset, ...) of a larger buffer, donated or new: fused ops assemble outputs with it.
 #ifndef JAX_HOCCL_HANDLERS_H_
 #define JAX_HOCCL_HANDLERS_H_
 
@@ -16,6 +17,7 @@ XLA_FFI_Error* kAllGatherCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllGatherStartCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kAllGatherIntoStartCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllStartCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteStartCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kDoneCpu(XLA_FFI_CallFrame* call_frame);
@@ -24,6 +26,7 @@ XLA_FFI_Error* kAllGatherCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllGatherStartCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kAllGatherIntoStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kDoneCuda(XLA_FFI_CallFrame* call_frame);

@@ -16,18 +16,25 @@ namespace ffi = xla::ffi;
 namespace hoccl {
 namespace {
 
+ffi::Error RunCpuInto(OpKind op, int64_t device, ffi::AnyBuffer x, void* out_data,
+                      size_t out_bytes, ffi::Span<const int64_t> groups, int64_t group_size,
+                      ffi::Span<const int64_t> permute_dst, int64_t site, bool peers_only) {
+  OpSpec spec;
+  std::vector<int64_t> ids;
+  ffi::Error decoded = DecodeOp(op, device, x.size_bytes(), out_bytes, groups, group_size,
+                                permute_dst, peers_only, &spec, &ids);
+  if (!decoded.success()) return decoded;
+  Communicator& comm = GetCommunicator("cpu", ids);
+  std::string err = RunOnCpu(comm, spec, site, x.untyped_data(), out_data);
+  if (!err.empty()) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, err);
+  return ffi::Error::Success();
+}
+
 ffi::Error RunCpu(OpKind op, int64_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                   ffi::Span<const int64_t> groups, int64_t group_size,
                   ffi::Span<const int64_t> permute_dst, int64_t site, bool peers_only = false) {
-  OpSpec spec;
-  std::vector<int64_t> ids;
-  ffi::Error decoded = DecodeOp(op, device, x.size_bytes(), out->size_bytes(), groups,
-                                group_size, permute_dst, peers_only, &spec, &ids);
-  if (!decoded.success()) return decoded;
-  Communicator& comm = GetCommunicator("cpu", ids);
-  std::string err = RunOnCpu(comm, spec, site, x.untyped_data(), out->untyped_data());
-  if (!err.empty()) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, err);
-  return ffi::Error::Success();
+  return RunCpuInto(op, device, x, out->untyped_data(), out->size_bytes(), groups, group_size,
+                    permute_dst, site, peers_only);
 }
 
 // Async pairs on CPU: the host engine has no streams to overlap with, so `start` runs the
@@ -37,6 +44,20 @@ ffi::Error AllGatherStartCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::
                              ffi::Result<ffi::AnyBuffer>, ffi::Span<const int64_t> groups,
                              int64_t group_size, int64_t peers_only, int64_t site) {
   return RunCpu(OpKind::kAllGather, device, x, out, groups, group_size, {}, site, peers_only != 0);
+}
+// all_gather into rows [offset, ...) of a larger buffer: args (x[, dst]), the output aliasing
+// dst when given (handlers_cuda.cc says more).
+ffi::Error AllGatherIntoStartCpu(int32_t device, ffi::RemainingArgs args,
+                                 ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
+                                 ffi::Span<const int64_t> groups, int64_t group_size,
+                                 int64_t offset, int64_t site) {
+  auto x = args.get<ffi::AnyBuffer>(0);
+  if (x.has_error()) return x.error();
+  size_t bytes = x->size_bytes() * static_cast<size_t>(group_size);
+  if (offset < 0 || static_cast<size_t>(offset) + bytes > out->size_bytes())
+    return ffi::Error::InvalidArgument("jax_hoccl all_gather_into: rows out of the buffer");
+  return RunCpuInto(OpKind::kAllGather, device, *x, static_cast<char*>(out->untyped_data()) + offset,
+                    bytes, groups, group_size, {}, site, false);
 }
 ffi::Error AllToAllStartCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::AnyBuffer>, ffi::Span<const int64_t> groups,
@@ -78,6 +99,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCpu, AllGatherStartCpu,
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("peers_only")
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherIntoStartCpu, AllGatherIntoStartCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("offset")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCpu, AllToAllStartCpu,
                               ffi::Ffi::Bind()

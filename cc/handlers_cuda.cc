@@ -121,8 +121,10 @@ ffi::Error CudaFail(const char* what, cudaError_t e) {
                               cudaGetErrorString(e));
 }
 
+// out_data/out_bytes: where the result goes (the whole output, or for the "into" variant the
+// rows [offset, offset + n * x rows) of a larger buffer).
 ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
-                     ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
+                     void* out_data, size_t out_bytes, ffi::Span<const int64_t> groups,
                      int64_t group_size, ffi::Span<const int64_t> permute_dst, int64_t site,
                      bool peers_only) {
   AsyncState& a = AsyncStateFor(device);
@@ -139,12 +141,12 @@ ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, ffi::An
     return CudaFail("cudaStreamWaitEvent", e);
   OpSpec spec;
   std::vector<int64_t> ids;
-  ffi::Error decoded = DecodeOp(op, device, x.size_bytes(), out->size_bytes(), groups,
-                                group_size, permute_dst, peers_only, &spec, &ids);
+  ffi::Error decoded = DecodeOp(op, device, x.size_bytes(), out_bytes, groups, group_size,
+                                permute_dst, peers_only, &spec, &ids);
   if (!decoded.success()) return decoded;
   if (spec.bytes > 0 && OutputBytes(spec) > 0) {
     Communicator& comm = CudaCommunicator(ids);
-    ExecStatus st = RunOnCuda(comm, spec, a.stream, x.untyped_data(), out->untyped_data());
+    ExecStatus st = RunOnCuda(comm, spec, a.stream, x.untyped_data(), out_data);
     if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
   }
   cudaEvent_t finished;
@@ -163,20 +165,37 @@ ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
                               ffi::Span<const int64_t> groups, int64_t group_size,
                               int64_t peers_only, int64_t site) {
-  return StartCuda(OpKind::kAllGather, stream, device, x, out, groups, group_size, {}, site,
-                   peers_only != 0);
+  return StartCuda(OpKind::kAllGather, stream, device, x, out->untyped_data(), out->size_bytes(),
+                   groups, group_size, {}, site, peers_only != 0);
+}
+// all_gather into rows of a larger buffer: args (x[, dst]); when dst is given the output
+// aliases it (set in the lowering), else XLA allocates it and the other rows stay unwritten
+// for later calls of the chain.
+ffi::Error AllGatherIntoStartCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
+                                  ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
+                                  ffi::Span<const int64_t> groups, int64_t group_size,
+                                  int64_t offset, int64_t site) {
+  auto x = args.get<ffi::AnyBuffer>(0);
+  if (x.has_error()) return x.error();
+  size_t bytes = x->size_bytes() * static_cast<size_t>(group_size);
+  if (offset < 0 || static_cast<size_t>(offset) + bytes > out->size_bytes())
+    return ffi::Error::InvalidArgument("jax_hoccl all_gather_into: rows out of the buffer");
+  return StartCuda(OpKind::kAllGather, stream, device, *x,
+                   static_cast<char*>(out->untyped_data()) + offset, bytes, groups, group_size,
+                   {}, site, false);
 }
 ffi::Error AllToAllStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
                              ffi::Span<const int64_t> groups, int64_t group_size, int64_t site) {
-  return StartCuda(OpKind::kAllToAll, stream, device, x, out, groups, group_size, {}, site, false);
+  return StartCuda(OpKind::kAllToAll, stream, device, x, out->untyped_data(), out->size_bytes(),
+                   groups, group_size, {}, site, false);
 }
 ffi::Error PermuteStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
                             ffi::Span<const int64_t> groups, int64_t group_size,
                             ffi::Span<const int64_t> permute_dst, int64_t site) {
-  return StartCuda(OpKind::kPermute, stream, device, x, out, groups, group_size, permute_dst,
-                   site, false);
+  return StartCuda(OpKind::kPermute, stream, device, x, out->untyped_data(), out->size_bytes(),
+                   groups, group_size, permute_dst, site, false);
 }
 
 ffi::Error DoneCuda(cudaStream_t xla_stream, int32_t device, ffi::RemainingArgs,
@@ -206,6 +225,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCuda, AllGatherStartCuda,
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("peers_only")
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherIntoStartCuda, AllGatherIntoStartCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("offset")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCuda, AllToAllStartCuda,
                               ffi::Ffi::Bind()

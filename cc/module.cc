@@ -40,11 +40,14 @@ nb::dict Registrations() {
   // Async pairs.
 #ifdef JAX_HOCCL_WITH_CUDA
   add("hoccl_all_gather_start", Capsule(hoccl::kAllGatherStartCpu), Capsule(hoccl::kAllGatherStartCuda));
+  add("hoccl_all_gather_into_start", Capsule(hoccl::kAllGatherIntoStartCpu),
+      Capsule(hoccl::kAllGatherIntoStartCuda));
   add("hoccl_all_to_all_start", Capsule(hoccl::kAllToAllStartCpu), Capsule(hoccl::kAllToAllStartCuda));
   add("hoccl_ppermute_start", Capsule(hoccl::kPermuteStartCpu), Capsule(hoccl::kPermuteStartCuda));
   add("hoccl_done", Capsule(hoccl::kDoneCpu), Capsule(hoccl::kDoneCuda));
 #else
   add("hoccl_all_gather_start", Capsule(hoccl::kAllGatherStartCpu), nb::none());
+  add("hoccl_all_gather_into_start", Capsule(hoccl::kAllGatherIntoStartCpu), nb::none());
   add("hoccl_all_to_all_start", Capsule(hoccl::kAllToAllStartCpu), nb::none());
   add("hoccl_ppermute_start", Capsule(hoccl::kPermuteStartCpu), nb::none());
   add("hoccl_done", Capsule(hoccl::kDoneCpu), nb::none());

@@ -109,20 +109,25 @@ def case_agmm(mesh, dtype, rng, replicated_w=False):
   return (x, w), (x.sharding.spec, w.sharding.spec), out, ours, lax
 
 
-def case_mmrs(mesh, dtype, rng):
+def case_mmrs(mesh, dtype, rng, chunk_list=(None, 3, (1, 2))):
+  """3 rows per rank block: one piece, equal pieces and uneven pieces in one program."""
   n, d = mesh.shape["tp"], mesh.shape["dp"]
-  x = put(mesh, rand(rng, (n * 2, d, n * 4), dtype), P(None, "dp", "tp"))  # local [2n, 1, 4]
+  x = put(mesh, rand(rng, (n * 3, d, n * 4), dtype), P(None, "dp", "tp"))  # local [3n, 1, 4]
   w = put(mesh, rand(rng, (n * 4, 3), dtype), P("tp", None))  # local [4, 3]
-  ours = lambda x, w: {"out": hc.matmul_reduce_scatter(x, w, "tp")}
-  lax = lambda x, w: {"out": jax.lax.psum_scatter(x @ w, "tp", tiled=True)}
-  return (x, w), (x.sharding.spec, w.sharding.spec), P("tp", "dp", None), ours, lax
+  ours = lambda x, w: {f"chunks={c}": hc.matmul_reduce_scatter(x, w, "tp", chunks=c)
+                       for c in chunk_list}
+  lax = lambda x, w: {f"chunks={c}": jax.lax.psum_scatter(x @ w, "tp", tiled=True)
+                      for c in chunk_list}
+  return ((x, w), (x.sharding.spec, w.sharding.spec),
+          {f"chunks={c}": P("tp", "dp", None) for c in chunk_list}, ours, lax)
 
 
-def case_mmps(mesh, dtype, rng, chunk_list=(None, 1, 2, 4)):
-  """M = 8 rows per device, every `chunks` in one program."""
+def case_mmps(mesh, dtype, rng, chunk_list=(None, 1, 2, 4, (2, 1, 1))):
+  """M = 4n rows per device (4 per rank block), every `chunks` in one program (uneven pieces
+  too); N = 2 keeps chunks=1's gathered [n, M, N] within the CPU buffer limit."""
   n, d = mesh.shape["tp"], mesh.shape["dp"]
-  x = put(mesh, rand(rng, (d * 8, n * 4), dtype), P("dp", "tp"))  # local [8, 4]
-  w = put(mesh, rand(rng, (n * 4, 3), dtype), P("tp", None))  # local [4, 3]
+  x = put(mesh, rand(rng, (d * 4 * n, n * 4), dtype), P("dp", "tp"))  # local [4n, 4]
+  w = put(mesh, rand(rng, (n * 4, 2), dtype), P("tp", None))  # local [4, 2]
   ours = lambda x, w: {f"chunks={c}": hc.matmul_psum(x, w, "tp", chunks=c) for c in chunk_list}
   lax = lambda x, w: {f"chunks={c}": jax.lax.psum(x @ w, "tp") for c in chunk_list}
   return (x, w), (P("dp", "tp"), P("tp", None)), P("dp", None), ours, lax
@@ -404,3 +409,40 @@ def test_lowers_to_hoccl_only(case, check_vma):
     assert "hoccl_" in text
     bad = [c for c in XLA_COLLECTIVES if c in text]
     assert not bad, f"{case} {what}: XLA collectives {bad} in the lowered text"
+
+
+# ------------------------------------------------------------------------------------------
+# The ring's structure: GEMMs do the sums, copy engines assemble the output
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op,chunks", [("matmul_psum", 2), ("matmul_psum", (2, 1, 1)),
+                                       ("matmul_reduce_scatter", 2)])
+def test_ring_sums_in_gemm_epilogues(op, chunks):
+  """matmul_psum / matmul_reduce_scatter lower to (n-1) ppermute starts per piece, every add
+  takes a dot's result (it rides in the GEMM's epilogue: no sum kernel), and matmul_psum
+  assembles its output with all_gather_into (one per piece, no concatenate)."""
+  mesh = MESHES["tp4"]
+  n, d = mesh.shape["tp"], mesh.shape["dp"]
+  rng = np.random.default_rng(0)
+  x = put(mesh, rand(rng, (d * 4 * n, n * 4), jnp.float32), P("dp", "tp"))
+  w = put(mesh, rand(rng, (n * 4, 2), jnp.float32), P("tp", None))
+  fn = getattr(hc, op)
+  out = P("dp", None) if op == "matmul_psum" else P(("dp", "tp"), None)
+  sm = jax.shard_map(lambda x, w: fn(x, w, "tp", chunks=chunks), mesh=mesh,
+                     in_specs=(P("dp", "tp"), P("tp", None)), out_specs=out)
+  text = jax.jit(sm).lower(x, w).as_text()
+  pieces = chunks if isinstance(chunks, int) else len(chunks)
+  assert text.count("@hoccl_ppermute_start(") == pieces * (n - 1)
+  dots = set(re.findall(r"(%[\w#]+) = stablehlo.dot_general", text))
+  adds = re.findall(r"= stablehlo.add (%[\w#]+), (%[\w#]+) : tensor<\d+x2xf32>", text)
+  assert len(adds) == pieces * (n - 1)
+  assert all(a in dots or b in dots for a, b in adds), adds
+  if op == "matmul_psum":
+    assert text.count("@hoccl_all_gather_into_start(") == pieces
+    assert "stablehlo.concatenate" not in text
+  got = jax.jit(sm)(x, w)
+  ref = jax.jit(jax.shard_map(
+      lambda x, w: (jax.lax.psum(x @ w, "tp") if op == "matmul_psum"
+                    else jax.lax.psum_scatter(x @ w, "tp", tiled=True)),
+      mesh=mesh, in_specs=(P("dp", "tp"), P("tp", None)), out_specs=out))(x, w)
+  assert_close(got, ref, jnp.float32, name=op)

@@ -195,6 +195,14 @@ FUSED = {
     "matmul_psum": (lambda x, w: jax_hoccl.matmul_psum(x, w, "x", chunks=2),
                     lambda x, w: jax.lax.psum(x @ w, "x"),
                     (P(None, "x"), P("x")), P(), (64, 32), (32, 48)),
+    "matmul_reduce_scatter uneven pieces": (
+        lambda x, w: jax_hoccl.matmul_reduce_scatter(x, w, "x", chunks=(4, 8, 16, 4)),
+        lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True),
+        (P(None, "x"), P("x")), P("x"), (64, 32), (32, 48)),
+    "matmul_psum uneven pieces": (
+        lambda x, w: jax_hoccl.matmul_psum(x, w, "x", chunks=(16, 8, 4, 4)),
+        lambda x, w: jax.lax.psum(x @ w, "x"),
+        (P(None, "x"), P("x")), P(), (64, 32), (32, 48)),
     "matmul_all_to_all": (lambda x, w: jax_hoccl.matmul_all_to_all(x, w, "x"),
                           lambda x, w: jax.lax.all_to_all(jnp.matmul(x, w), "x", 0, 0, tiled=True),
                           (P("x"), P("x")), P("x"), None, None),
@@ -225,3 +233,21 @@ def test_fused_on_gpu(mesh, name):
       f, mesh=mesh, in_specs=in_specs, out_specs=out_spec)(a, b))), argnums=argnums))(*args)
   for g1, g2 in zip(loss(ours), loss(ref)):
     np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["matmul_psum", "matmul_reduce_scatter"])
+def test_ring_default_pieces_bf16_on_gpu(mesh, name):
+  """The default piece schedule (several pieces at this size: 4 MiB rank blocks) in bf16,
+  with the sums in the GEMM epilogues, against jax.lax."""
+  n = len(GPUS)
+  x, w = _rand((1024, 256 * n), jnp.bfloat16, 21), _rand((256 * n, 4096), jnp.bfloat16, 22)
+  ours = lambda x, w: getattr(jax_hoccl, name)(x, w, "x")  # noqa: E731
+  ref = ((lambda x, w: jax.lax.psum(x @ w, "x")) if name == "matmul_psum"  # noqa: E731
+         else (lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True)))
+  specs, out = (P(None, "x"), P("x")), (P() if name == "matmul_psum" else P("x"))
+  args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)]
+  run = lambda f: np.asarray(jax.jit(jax.shard_map(  # noqa: E731
+      f, mesh=mesh, in_specs=specs, out_specs=out))(*args)).astype(np.float32)
+  a, b = run(ours), run(ref)
+  scale = np.abs(b).max()
+  assert scale > 0 and np.abs(a - b).max() <= 2e-2 * scale

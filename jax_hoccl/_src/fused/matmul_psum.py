@@ -1,50 +1,57 @@
-"""matmul_psum(x, w, axis) == psum(x @ w, axis), pipelined over row chunks: the partial
-product of chunk i is gathered from every rank (copy engines) while XLA computes chunk i+1,
-then summed in a fixed order (f32 accumulation for bf16/f16). One chunk for GEMV shapes
-(decode: M = 1..64), where the cost is the handshake latency, not bandwidth.
+"""matmul_psum(x, w, axis) == psum(x @ w, axis): a reduce-scatter around the ring, summed by
+the GEMMs (ring.py), then each summed piece all-gathered by the copy engines straight into
+its rows of the output (`all_gather_into_start`: no concatenate, no sum kernel) while the
+SMs multiply the next pieces. Only the last, smallest piece's all-gather is exposed.
+
+Rows are laid out so that a piece's all-gather is contiguous in the output: piece p of rank
+b's block is rows [n * O_p + b * r_p, n * O_p + (b + 1) * r_p), O_p being the rows of the
+pieces before p. GEMV shapes (decode: M = 1..64) have nothing to overlap: one synchronous
+one-shot psum.
 """
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src.fused import ring
 from jax_hoccl._src.ops import async_collectives as ac
 from jax_hoccl._src.ops import common
 
-MIN_CHUNK_BYTES = 4 << 20  # below this a chunk's copies are latency-bound: don't split
 
-
-def default_chunks(rows: int, out_row_bytes: int) -> int:
-  for c in (4, 2):
-    if rows % c == 0 and rows // c * out_row_bytes >= MIN_CHUNK_BYTES:
-      return c
-  return 1
+def _one_shot_psum(x, w, axes):
+  from jax_hoccl._src.ops.psum import psum, psum_algorithm
+  with psum_algorithm("one_shot"):
+    return psum(x @ w, axes)
 
 
 def multiply_and_sum(x, w, axes, n, chunks):
-  if chunks == 1:
-    # Nothing to overlap (GEMV / small shapes): the synchronous one-shot psum moves the same
-    # bytes without the async stream's fork and events.
-    from jax_hoccl._src.ops.psum import psum, psum_algorithm
-    with psum_algorithm("one_shot"):
-      return psum(x @ w, axes)
-  rows = x.shape[0] // chunks
-  sums, previous = [], None
-  for i in range(chunks):
-    xi = x[i * rows:(i + 1) * rows]
-    if previous is not None:
-      xi = previous.after_start(xi)  # multiply chunk i while chunk i-1 is in flight
-    part = xi @ w
-    if previous is not None:
-      got, part = ac.done(previous, part)
-      sums.append(common.sum_leading(got))
-    previous = ac.all_gather_start(part, axes, to="invariant")  # [n, rows, ..., N], rank order
-  got, = ac.done(previous)
-  sums.append(common.sum_leading(got))
-  return sums[0] if chunks == 1 else jnp.concatenate(sums, axis=0)
+  m = x.shape[0]
+  if n == 1:
+    return x @ w
+  if chunks == 1 or m % n:
+    return _one_shot_psum(x, w, axes)
+  row_bytes = int(np.prod(x.shape[1:-1], dtype=np.int64)) * w.shape[1] * x.dtype.itemsize
+  pieces = ring.row_pieces(m // n, row_bytes, chunks, "matmul_psum")
+  if chunks is None and len(pieces) == 1:
+    return _one_shot_psum(x, w, axes)
+  starts = np.concatenate([[0], np.cumsum(pieces)[:-1]]) * n
+  out_shape = (m, *x.shape[1:-1], w.shape[1])
+  gathers = []
+
+  def gather(p, summed, ov):
+    into = gathers[-1].buffer if gathers else out_shape
+    gathers.append(ov.start(ac.all_gather_into_start(summed, axes, into, int(starts[p]),
+                                                     to="invariant")))
+
+  _, ov = ring.reduce_scatter_ring(
+      x, w, axes, n, pieces, lambda b, p: starts[p] + b * pieces[p], on_sum=gather)
+  for g in gathers[:-1]:
+    ov.token, = ac.wait(g, ov.token)
+  return ov.done(gathers[-1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -76,8 +83,11 @@ _mmps.defvjp(_mmps_fwd, _mmps_bwd)
 
 def matmul_psum(x, w, axis_name, *, chunks=None):
   """psum(x @ w, axis_name) for x [M, ..., K] (K sharded over the axis) and w [K, N];
-  returns [M, ..., N], invariant over the axis. `chunks` splits M for pipelining (default:
-  by size; 1 for small/GEMV shapes). Call inside shard_map."""
+  returns [M, ..., N], invariant over the axis. Call inside shard_map.
+
+  chunks: how each rank's M/n-row block is cut for pipelining: None (by size; GEMV shapes
+  get one synchronous psum), 1 (no pipelining: one synchronous psum), an int c (c equal
+  pieces) or a sequence of row counts summing to M/n."""
   axes, n = axes_lib.check_axes(axis_name, "matmul_psum")
   x, w = jnp.asarray(x), jnp.asarray(w)
   if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
@@ -86,9 +96,10 @@ def matmul_psum(x, w, axis_name, *, chunks=None):
   axes_lib.check_dtype(x, "matmul_psum", summable=True)
   if x.ndim == 1:
     return matmul_psum(x[None], w, axis_name, chunks=chunks)[0]
-  out_row_bytes = int(jnp.dtype(x.dtype).itemsize) * w.shape[1] * int(
-      functools.reduce(lambda a, b: a * b, x.shape[1:-1], 1))
-  chunks = chunks or default_chunks(x.shape[0], out_row_bytes)
-  if x.shape[0] % chunks:
-    raise ValueError(f"jax_hoccl.matmul_psum: chunks={chunks} does not divide M={x.shape[0]}.")
-  return _mmps(common.ensure_varying(x, axes), w, axes, int(chunks))
+  if chunks is not None and chunks != 1:
+    if x.shape[0] % n:
+      raise ValueError(f"jax_hoccl.matmul_psum: chunks={chunks} needs M={x.shape[0]} to divide "
+                       f"by the axis size {n} of {axes}.")
+    chunks = chunks if isinstance(chunks, int) else tuple(int(c) for c in chunks)
+    ring.row_pieces(x.shape[0] // n, 1, chunks, "matmul_psum")  # checks, at trace time
+  return _mmps(common.ensure_varying(x, axes), w, axes, chunks)

@@ -57,13 +57,46 @@ def _start_lowering(ctx, x, *, op, axes, axis_size, perm, peers_only, invariant,
   return ffi_lower(f"hoccl_{op}_start", op, ctx, x, **attrs)
 
 
-def _done_abstract_eval(buf, x, *deps, site):
-  return [buf, *deps]
+# all_gather into rows of a larger buffer (operands x[, dst]; the output aliases dst).
+into_start_p = ji.Primitive("hoccl_all_gather_into_start")
+into_start_p.multiple_results = True
 
 
-def _done_lowering(ctx, buf, x, *deps, site):
-  aliases = {0: 0, **{2 + i: 1 + i for i in range(len(deps))}}
-  return ffi_lower("hoccl_done", "done", ctx, buf, x, *deps, site=np.int64(site),
+def _into_abstract_eval(x, *dst, axes, axis_size, shape, row, invariant, site):
+  vma = ji.varying_axes(x)
+  if ji.check_vma_enabled() and not set(axes) <= vma:
+    raise ValueError(f"jax_hoccl all_gather_into_start: input must be varying over {axes}, "
+                     f"got {set(vma)}")
+  out = dst[0] if dst else ji.with_type(x, shape, vma - set(axes) if invariant else vma)
+  token = ji.with_type(x, (), vma).update(dtype=np.dtype(np.int32), weak_type=False)
+  return [out, token]
+
+
+def _into_lowering(ctx, x, *dst, axes, axis_size, shape, row, invariant, site):
+  attrs = axes_lib.ffi_group_attrs(ctx, axes, "all_gather_into", site)
+  row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(ctx.avals_in[0].dtype).itemsize
+  attrs["offset"] = np.int64(row * row_bytes)
+  return ffi_lower("hoccl_all_gather_into_start", "all_gather_into", ctx, x, *dst, **attrs,
+                   lowering_args=dict(operand_output_aliases={1: 0}) if dst else None)
+
+
+into_start_p.def_abstract_eval(_into_abstract_eval)
+ji.register_lowering(into_start_p, _into_lowering)
+
+
+# done's operands: (buf, x, *deps) -> (buf, *deps), or without the buffer (x, *deps) -> deps
+# when it went on to a later start of an `into` chain (wait_only).
+def _done_abstract_eval(*args, site, wait_only):
+  return list(args[2:]) if wait_only else [args[0], *args[2:]]
+
+
+def _done_lowering(ctx, *args, site, wait_only):
+  if wait_only:
+    aliases = {1 + i: i for i in range(len(args) - 2)}  # operands (x, *deps) below
+    args, ctx = args[1:], ctx.replace(avals_in=ctx.avals_in[1:])  # drop the placeholder
+  else:
+    aliases = {0: 0, **{2 + i: 1 + i for i in range(len(args) - 2)}}
+  return ffi_lower("hoccl_done", "done", ctx, *args, site=np.int64(site),
                    lowering_args=dict(operand_output_aliases=aliases))
 
 
@@ -110,8 +143,17 @@ def done(pending: Pending, *deps):
   if not isinstance(pending, Pending):
     raise TypeError(f"jax_hoccl.done expects what a *_start returned, got {type(pending)}")
   flat, tree = jax.tree.flatten(deps)
-  buf, *flat = done_p.bind(pending.buffer, pending.input, *flat, site=pending.site)
+  buf, *flat = done_p.bind(pending.buffer, pending.input, *flat, site=pending.site,
+                           wait_only=False)
   return (pending.finish(buf), *jax.tree.unflatten(tree, flat))
+
+
+def wait(pending: Pending, *deps):
+  """done without the result: for a start of an `into` chain whose buffer went on to the next
+  start (which owns it now). Returns deps."""
+  flat, tree = jax.tree.flatten(deps)
+  flat = done_p.bind(pending.input, pending.input, *flat, site=pending.site, wait_only=True)
+  return jax.tree.unflatten(tree, flat)
 
 
 def all_gather_start(x, axis_name, *, axis=0, tiled=False, peers_only=False, to="varying"):
@@ -136,6 +178,34 @@ def all_gather_start(x, axis_name, *, axis=0, tiled=False, peers_only=False, to=
     return y
 
   return _start("all_gather", x, axes, n, invariant=(to != "varying"), finish=finish)
+
+
+def all_gather_into_start(x, axis_name, into, row, *, to="varying"):
+  """Starts all_gather(x, axis_name, tiled=True) written into rows [row, row + n * len(x))
+  of a larger buffer. `into` is either an array of x's dtype and trailing shape, donated
+  (done returns it, those rows filled), or a shape: a new buffer whose other rows stay
+  uninitialised for later calls of the chain to fill. Fused ops assemble their output so,
+  with no concatenate. `to` is the new buffer's type over the axes ("invariant": the same
+  on every rank, as when the chain covers every row)."""
+  axes, n = axes_lib.check_axes(axis_name, "all_gather_into_start")
+  x = jnp.asarray(x)
+  axes_lib.check_dtype(x, "all_gather_into_start")
+  if x.ndim == 0:
+    raise ValueError("jax_hoccl.all_gather_into_start: x needs a leading axis")
+  dst = () if isinstance(into, (tuple, list)) else (into,)
+  shape = tuple(into) if not dst else into.shape
+  if (shape[1:] != x.shape[1:] or not 0 <= row <= shape[0] - n * x.shape[0]
+      or (dst and into.dtype != x.dtype)):
+    raise ValueError(f"jax_hoccl.all_gather_into_start: rows [{row}, {row + n * x.shape[0]}) "
+                     f"of {x.dtype}{list(x.shape[1:])} do not fit into {shape}"
+                     + (f" {into.dtype}" if dst else ""))
+  x = common.ensure_varying(x, axes)
+  site = axes_lib.new_site()
+  buf, token = into_start_p.bind(x, *dst, axes=tuple(axes),
+                                 axis_size=int(n), shape=shape, row=int(row),
+                                 invariant=(to != "varying"), site=site)
+  x_after_start, _ = jax.lax.optimization_barrier((x, token))
+  return Pending(buf, x_after_start, token, site, lambda b: b)
 
 
 def all_to_all_start(x, axis_name, *, tiled=True):

@@ -1,0 +1,101 @@
+"""Reduce-scatter of a matmul's partial products around the ring, summed by the GEMMs.
+
+Row block b of x @ w is summed over the ranks by carrying it around the ring: at step s
+(0..n-1) rank r multiplies its rows of block (r - s - 1) % n, adds the partial sum rank r-1
+sent it, and sends the result on to rank r+1 (copy engines); at step n-1 the block is r's own
+and its sum is complete. XLA folds `x @ w + received` into the GEMM's epilogue (cuBLAS
+beta = 1), so no kernel ever sums: the SMs only multiply.
+
+Each block is cut into row pieces and the work runs step by step, piece by piece, (s, p) in
+lexicographic order: a piece's partial sum travels while the SMs multiply the next pieces, and
+is needed only c multiplications later. Per rank the ring moves (n-1)/n of the output, as a
+reduce-scatter must.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+
+from jax_hoccl._src.ops import async_collectives as ac
+
+# Pieces smaller than this are latency-bound (a copy-engine op costs ~20-30 us of fixed
+# handshakes on the async stream): the default schedule stops halving there.
+MIN_PIECE_BYTES = 2 << 20
+
+
+def row_pieces(rows: int, row_bytes: int, chunks, op: str) -> tuple[int, ...]:
+  """Rows per piece of one block. chunks: None (by size: quarters, the last halved while the
+  halves stay >= MIN_PIECE_BYTES, so the exposed tail is small), an int (equal pieces) or a
+  sequence of row counts."""
+  if chunks is None:
+    if rows * row_bytes < 2 * MIN_PIECE_BYTES or rows % 4:
+      return (rows,)
+    pieces = [rows // 4] * 4
+    while pieces[-1] % 2 == 0 and pieces[-1] // 2 * row_bytes >= MIN_PIECE_BYTES:
+      half = pieces.pop() // 2
+      pieces += [half, half]
+    return tuple(pieces)
+  if isinstance(chunks, int):
+    if chunks < 1 or rows % chunks:
+      raise ValueError(f"jax_hoccl.{op}: chunks={chunks} does not divide the {rows} rows of a "
+                       f"rank's block.")
+    return (rows // chunks,) * chunks
+  pieces = tuple(int(c) for c in chunks)
+  if not pieces or min(pieces) < 1 or sum(pieces) != rows:
+    raise ValueError(f"jax_hoccl.{op}: chunks={tuple(chunks)} must be positive row counts "
+                     f"summing to the {rows} rows of a rank's block.")
+  return pieces
+
+
+class Overlap:
+  """Orders XLA's compute against async exchanges with one threaded token, so that nothing
+  is copied: compute reads its inputs through the latest start (it runs after that start,
+  overlapping the copies), and a done takes the token (it runs after the compute before it,
+  not hoisted above it)."""
+
+  def __init__(self):
+    self.token = None
+
+  def inputs(self, tree):
+    if self.token is None:
+      return tree
+    tree, self.token = jax.lax.optimization_barrier((tree, self.token))
+    return tree
+
+  def start(self, pending: ac.Pending) -> ac.Pending:
+    self.token = pending.token
+    return pending
+
+  def done(self, pending: ac.Pending):
+    if self.token is None:
+      return ac.done(pending)[0]
+    got, self.token = ac.done(pending, self.token)
+    return got
+
+
+def reduce_scatter_ring(x, w, axes, n: int, pieces: Sequence[int],
+                        first_row: Callable, on_sum: Callable | None = None):
+  """Summed pieces of my block of x @ w, in piece order.
+
+  first_row(b, p) -> x's first row of piece p of block b (b traced); pieces[p] rows each.
+  on_sum(p, summed, overlap) is called as each summed piece is ready (to start sending it)."""
+  r = jax.lax.axis_index(axes[0] if len(axes) == 1 else axes)
+  ov = Overlap()
+  to_next = [(i, (i + 1) % n) for i in range(n)]
+  in_flight, mine = {}, []
+  for s in range(n):
+    b = (r - s - 1) % n
+    for p, rows in enumerate(pieces):
+      xs = jax.lax.dynamic_slice_in_dim(ov.inputs(x), first_row(b, p), rows, axis=0)
+      if s == 0:
+        part = xs @ w
+      else:
+        part = xs @ w + ov.done(in_flight.pop(p))  # the add rides in the GEMM's epilogue
+      if s < n - 1:
+        in_flight[p] = ov.start(ac.ppermute_start(part, axes, to_next))
+      else:
+        mine.append(part)
+        if on_sum is not None:
+          on_sum(p, part, ov)
+  return mine, ov
