@@ -50,7 +50,7 @@ def multiply_and_sum(x, w, axes, n, chunks):
   _, ov = ring.reduce_scatter_ring(
       x, w, axes, n, pieces, lambda b, p: starts[p] + b * pieces[p], on_sum=gather)
   for g in gathers[:-1]:
-    ov.token, = ac.wait(g, ov.token)
+    ov.wait(g)
   return ov.done(gathers[-1])
 
 

@@ -49,10 +49,10 @@ def row_pieces(rows: int, row_bytes: int, chunks, op: str) -> tuple[int, ...]:
 
 
 class Overlap:
-  """Orders XLA's compute against async exchanges with one threaded token, so that nothing
-  is copied: compute reads its inputs through the latest start (it runs after that start,
-  overlapping the copies), and a done takes the token (it runs after the compute before it,
-  not hoisted above it)."""
+  """Orders XLA's compute against async exchanges with the latest start's token, so that
+  nothing is copied: compute reads its inputs through an optimization barrier with it (it runs
+  after that start, overlapping the copies), and a done reads it (it runs after the compute
+  before that start, not hoisted above it)."""
 
   def __init__(self):
     self.token = None
@@ -70,8 +70,12 @@ class Overlap:
   def done(self, pending: ac.Pending):
     if self.token is None:
       return ac.done(pending)[0]
-    got, self.token = ac.done(pending, self.token)
-    return got
+    return ac.done_after(pending, self.token)
+
+  def wait(self, pending: ac.Pending):
+    """done for a start whose buffer went on to a later start of an `into` chain: what
+    comes after (the next wait, the final done) is ordered after it."""
+    self.token = ac.wait_after(pending, self.token)
 
 
 def reduce_scatter_ring(x, w, axes, n: int, pieces: Sequence[int],

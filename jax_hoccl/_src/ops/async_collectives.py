@@ -84,18 +84,24 @@ into_start_p.def_abstract_eval(_into_abstract_eval)
 ji.register_lowering(into_start_p, _into_lowering)
 
 
-# done's operands: (buf, x, *deps) -> (buf, *deps), or without the buffer (x, *deps) -> deps
-# when it went on to a later start of an `into` chain (wait_only).
-def _done_abstract_eval(*args, site, wait_only):
-  return list(args[2:]) if wait_only else [args[0], *args[2:]]
-
-
-def _done_lowering(ctx, *args, site, wait_only):
+# done's operands: (buf, x, *deps, *after) -> (buf, *deps). deps come back aliased (the
+# caller goes on with them); the last n_after operands only order done after them (tokens:
+# aliasing those would make XLA copy them). wait_only: for a start of an `into` chain whose
+# buffer went on to a later start, (x, *after) -> a fresh token (never written or read: it
+# only orders what takes it after this wait, and keeps the wait from being dropped).
+def _done_abstract_eval(*args, site, wait_only, n_after):
   if wait_only:
-    aliases = {1 + i: i for i in range(len(args) - 2)}  # operands (x, *deps) below
+    return [ji.with_type(args[1], (), ji.varying_axes(args[1])).update(
+        dtype=np.dtype(np.int32), weak_type=False)]
+  return [args[0], *args[2:len(args) - n_after]]
+
+
+def _done_lowering(ctx, *args, site, wait_only, n_after):
+  if wait_only:
+    aliases = {}
     args, ctx = args[1:], ctx.replace(avals_in=ctx.avals_in[1:])  # drop the placeholder
   else:
-    aliases = {0: 0, **{2 + i: 1 + i for i in range(len(args) - 2)}}
+    aliases = {0: 0, **{2 + i: 1 + i for i in range(len(args) - 2 - n_after)}}
   return ffi_lower("hoccl_done", "done", ctx, *args, site=np.int64(site),
                    lowering_args=dict(operand_output_aliases=aliases))
 
@@ -144,16 +150,24 @@ def done(pending: Pending, *deps):
     raise TypeError(f"jax_hoccl.done expects what a *_start returned, got {type(pending)}")
   flat, tree = jax.tree.flatten(deps)
   buf, *flat = done_p.bind(pending.buffer, pending.input, *flat, site=pending.site,
-                           wait_only=False)
+                           wait_only=False, n_after=0)
   return (pending.finish(buf), *jax.tree.unflatten(tree, flat))
 
 
-def wait(pending: Pending, *deps):
-  """done without the result: for a start of an `into` chain whose buffer went on to the next
-  start (which owns it now). Returns deps."""
-  flat, tree = jax.tree.flatten(deps)
-  flat = done_p.bind(pending.input, pending.input, *flat, site=pending.site, wait_only=True)
-  return jax.tree.unflatten(tree, flat)
+def done_after(pending: Pending, token):
+  """done's result, the wait ordered after `token` (a start's token): the fused ops' way to
+  keep a done behind the compute before it without aliasing (and copying) the token."""
+  buf, = done_p.bind(pending.buffer, pending.input, token, site=pending.site, wait_only=False,
+                     n_after=1)
+  return pending.finish(buf)
+
+
+def wait_after(pending: Pending, token):
+  """done_after without the result, for a start of an `into` chain whose buffer went on to
+  the next start of the chain (which owns it now). Returns a token ordered after the wait."""
+  token, = done_p.bind(pending.input, pending.input, token, site=pending.site, wait_only=True,
+                       n_after=1)
+  return token
 
 
 def all_gather_start(x, axis_name, *, axis=0, tiled=False, peers_only=False, to="varying"):
