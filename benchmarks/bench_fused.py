@@ -90,16 +90,13 @@ def bench_fused(mesh, quick=False):
     w = rnd(k_dim, n_dim)
     specs = (P(None, "x"), P("x"))
     gemm = _timed(mesh, lambda x, w: x @ w, (x, w), specs)
-    # The default piece schedule, and equal pieces for comparison (rows per rank block).
+    # matmul_psum's default piece schedule, and equal pieces for comparison (per rank block).
     sweep = [] if quick else [2, 4, 8]
     # GEMM alone: the mean of a run before and after these rows (H200 clocks drift by up to
     # 10% over a minute of GEMMs at M=16384; both runs are printed).
     impls_rs = {
         "jax_hoccl.matmul_reduce_scatter": _timed(
             mesh, lambda x, w: jax_hoccl.matmul_reduce_scatter(x, w, "x"), (x, w), specs),
-        **{f"jax_hoccl.matmul_reduce_scatter chunks={c}": _timed(
-            mesh, lambda x, w, c=c: jax_hoccl.matmul_reduce_scatter(x, w, "x", chunks=c),
-            (x, w), specs) for c in sweep},
         "jax.lax matmul+psum_scatter": _timed(
             mesh, lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True), (x, w), specs),
     }

@@ -486,3 +486,39 @@ def test_start_unknown_axis():
                     in_specs=P("x"), out_specs=P("x"))
   with pytest.raises(ValueError, match="nope"):
     jax.eval_shape(f, sds((16, 2)))
+
+
+# ------------------------------------------------------------------------------------------
+# all_gather_into_start: a chain of gathers filling one buffer (how matmul_psum assembles)
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
+def test_all_gather_into_chain_matches_lax(dtype):
+  """Two gathers write rows [0, 8*2) and [16, 16+8*1) of a new [24, 3] buffer, the second
+  into the first's buffer (donated, no copy), waited in the order matmul_psum uses: the
+  buffer equals the concatenation of jax.lax.all_gathers."""
+  from jax_hoccl._src.ops import async_collectives as ac
+  rng = np.random.default_rng(7)
+  a, b = put(MESH1, rand(rng, (16, 3), dtype)), put(MESH1, rand(rng, (8, 3), dtype))
+
+  def ours(a, b):
+    p1 = ac.all_gather_into_start(a, "x", (24, 3), 0, to="invariant")
+    p2 = ac.all_gather_into_start(b, "x", p1.buffer, 16, to="invariant")
+    token = ac.wait_after(p1, p2.token)
+    return ac.done_after(p2, token)
+
+  def lax(a, b):
+    return jnp.concatenate([jax.lax.all_gather(a, "x", tiled=True),
+                            jax.lax.all_gather(b, "x", tiled=True)])
+
+  got = smap(MESH1, ours, True, in_specs=(P("x"), P("x")), out_specs=P())(a, b)
+  ref = smap(MESH1, lax, False, in_specs=(P("x"), P("x")), out_specs=P())(a, b)
+  np.testing.assert_array_equal(to_np(got), to_np(ref))
+
+
+def test_all_gather_into_rows_must_fit():
+  from jax_hoccl._src.ops import async_collectives as ac
+  f = smap(MESH1, lambda a: ac.all_gather_into_start(a, "x", (20, 3), 8).buffer, True,
+           in_specs=P("x"), out_specs=P("x"))
+  with pytest.raises(ValueError, match=r"rows \[8, 24\).*do not fit into \(20, 3\)"):
+    jax.jit(f).lower(sds((16, 3)))

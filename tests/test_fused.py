@@ -109,17 +109,13 @@ def case_agmm(mesh, dtype, rng, replicated_w=False):
   return (x, w), (x.sharding.spec, w.sharding.spec), out, ours, lax
 
 
-def case_mmrs(mesh, dtype, rng, chunk_list=(None, 3, (1, 2))):
-  """3 rows per rank block: one piece, equal pieces and uneven pieces in one program."""
+def case_mmrs(mesh, dtype, rng):
   n, d = mesh.shape["tp"], mesh.shape["dp"]
-  x = put(mesh, rand(rng, (n * 3, d, n * 4), dtype), P(None, "dp", "tp"))  # local [3n, 1, 4]
+  x = put(mesh, rand(rng, (n * 2, d, n * 4), dtype), P(None, "dp", "tp"))  # local [2n, 1, 4]
   w = put(mesh, rand(rng, (n * 4, 3), dtype), P("tp", None))  # local [4, 3]
-  ours = lambda x, w: {f"chunks={c}": hc.matmul_reduce_scatter(x, w, "tp", chunks=c)
-                       for c in chunk_list}
-  lax = lambda x, w: {f"chunks={c}": jax.lax.psum_scatter(x @ w, "tp", tiled=True)
-                      for c in chunk_list}
-  return ((x, w), (x.sharding.spec, w.sharding.spec),
-          {f"chunks={c}": P("tp", "dp", None) for c in chunk_list}, ours, lax)
+  ours = lambda x, w: {"out": hc.matmul_reduce_scatter(x, w, "tp")}
+  lax = lambda x, w: {"out": jax.lax.psum_scatter(x @ w, "tp", tiled=True)}
+  return (x, w), (x.sharding.spec, w.sharding.spec), P("tp", "dp", None), ours, lax
 
 
 def case_mmps(mesh, dtype, rng, chunk_list=(None, 1, 2, 4, (2, 1, 1))):
@@ -415,12 +411,12 @@ def test_lowers_to_hoccl_only(case, check_vma):
 # The ring's structure: GEMMs do the sums, copy engines assemble the output
 # ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("op,chunks", [("matmul_psum", 2), ("matmul_psum", (2, 1, 1)),
-                                       ("matmul_reduce_scatter", 2)])
-def test_ring_sums_in_gemm_epilogues(op, chunks):
-  """matmul_psum / matmul_reduce_scatter lower to (n-1) ppermute starts per piece, every add
-  takes a dot's result (it rides in the GEMM's epilogue: no sum kernel), and matmul_psum
-  assembles its output with all_gather_into (one per piece, no concatenate)."""
+@pytest.mark.parametrize("chunks", [2, (2, 1, 1)])
+def test_ring_sums_in_gemm_epilogues(chunks):
+  """matmul_psum lowers to (n-1) ppermute starts per piece, every add takes a dot's result
+  (XLA can fold it into the GEMM's epilogue: no sum of gathered partials), and its output is
+  assembled by all_gather_into (one per piece, no concatenate)."""
+  op = "matmul_psum"
   mesh = MESHES["tp4"]
   n, d = mesh.shape["tp"], mesh.shape["dp"]
   rng = np.random.default_rng(0)
@@ -437,9 +433,8 @@ def test_ring_sums_in_gemm_epilogues(op, chunks):
   adds = re.findall(r"= stablehlo.add (%[\w#]+), (%[\w#]+) : tensor<\d+x2xf32>", text)
   assert len(adds) == pieces * (n - 1)
   assert all(a in dots or b in dots for a, b in adds), adds
-  if op == "matmul_psum":
-    assert text.count("@hoccl_all_gather_into_start(") == pieces
-    assert "stablehlo.concatenate" not in text
+  assert text.count("@hoccl_all_gather_into_start(") == pieces
+  assert "stablehlo.concatenate" not in text
   got = jax.jit(sm)(x, w)
   ref = jax.jit(jax.shard_map(
       lambda x, w: (jax.lax.psum(x @ w, "tp") if op == "matmul_psum"

@@ -1,7 +1,7 @@
-"""matmul_psum(x, w, axis) == psum(x @ w, axis): a reduce-scatter around the ring, summed by
-the GEMMs (ring.py), then each summed piece all-gathered by the copy engines straight into
-its rows of the output (`all_gather_into_start`: no concatenate, no sum kernel) while the
-SMs multiply the next pieces. Only the last, smallest piece's all-gather is exposed.
+"""matmul_psum(x, w, axis) == psum(x @ w, axis): a reduce-scatter around the ring, the sums
+added to the GEMMs' results (ring.py), then each summed piece all-gathered by the copy
+engines straight into its rows of the output (`all_gather_into_start`: no concatenate) while
+the SMs multiply the next pieces. Only the last piece's all-gather is exposed.
 
 Rows are laid out so that a piece's all-gather is contiguous in the output: piece p of rank
 b's block is rows [n * O_p + b * r_p, n * O_p + (b + 1) * r_p), O_p being the rows of the

@@ -1,15 +1,16 @@
-"""Reduce-scatter of a matmul's partial products around the ring, summed by the GEMMs.
+"""Reduce-scatter of a matmul's partial products around the ring (matmul_psum's first half).
 
 Row block b of x @ w is summed over the ranks by carrying it around the ring: at step s
 (0..n-1) rank r multiplies its rows of block (r - s - 1) % n, adds the partial sum rank r-1
 sent it, and sends the result on to rank r+1 (copy engines); at step n-1 the block is r's own
-and its sum is complete. XLA folds `x @ w + received` into the GEMM's epilogue (cuBLAS
-beta = 1), so no kernel ever sums: the SMs only multiply.
+and its sum is complete. Per rank the ring moves (n-1)/n of the output, as a reduce-scatter
+must (gathering every rank's partial and summing would move n-1 times the output). The add
+`x @ w + received` needs no gathered partials: XLA folds it into the GEMM's epilogue when it
+picks cuBLAS (beta = 1); with its Triton GEMMs it is one elementwise kernel per piece.
 
 Each block is cut into row pieces and the work runs step by step, piece by piece, (s, p) in
 lexicographic order: a piece's partial sum travels while the SMs multiply the next pieces, and
-is needed only c multiplications later. Per rank the ring moves (n-1)/n of the output, as a
-reduce-scatter must.
+is needed only c multiplications later.
 """
 from __future__ import annotations
 
@@ -19,23 +20,24 @@ import jax
 
 from jax_hoccl._src.ops import async_collectives as ac
 
-# Pieces smaller than this are latency-bound (a copy-engine op costs ~20-30 us of fixed
-# handshakes on the async stream): the default schedule stops halving there.
-MIN_PIECE_BYTES = 2 << 20
+# Every piece costs a ppermute and an all-gather on the async stream, each ~30-60 us of fixed
+# handshakes, and XLA's GEMMs on small pieces lose efficiency; too few pieces expose a big
+# last transfer. Measured on 2x H200 (benchmarks/results/2026-11-30-2xNVIDIA-H200.json):
+# K/n=4096, N=8192 bf16 was best with 2 pieces per 32 MiB block and 8 per 128 MiB block,
+# i.e. pieces of ~16 MiB; 8 pieces of 4 MiB were 1.9x slower than 2.
+PIECE_BYTES = 16 << 20
+MAX_PIECES = 8
 
 
 def row_pieces(rows: int, row_bytes: int, chunks, op: str) -> tuple[int, ...]:
-  """Rows per piece of one block. chunks: None (by size: quarters, the last halved while the
-  halves stay >= MIN_PIECE_BYTES, so the exposed tail is small), an int (equal pieces) or a
+  """Rows per piece of one rank's block. chunks: None (by size: pieces of ~PIECE_BYTES, 2 to
+  MAX_PIECES, one when the block is smaller than two pieces), an int (equal pieces) or a
   sequence of row counts."""
   if chunks is None:
-    if rows * row_bytes < 2 * MIN_PIECE_BYTES or rows % 4:
-      return (rows,)
-    pieces = [rows // 4] * 4
-    while pieces[-1] % 2 == 0 and pieces[-1] // 2 * row_bytes >= MIN_PIECE_BYTES:
-      half = pieces.pop() // 2
-      pieces += [half, half]
-    return tuple(pieces)
+    c = min(MAX_PIECES, rows * row_bytes // PIECE_BYTES)
+    while c > 1 and rows % c:
+      c -= 1
+    return (rows // c,) * c if c >= 2 else (rows,)
   if isinstance(chunks, int):
     if chunks < 1 or rows % chunks:
       raise ValueError(f"jax_hoccl.{op}: chunks={chunks} does not divide the {rows} rows of a "
