@@ -106,6 +106,9 @@ def bench_fused(mesh, quick=False):
         **{f"jax_hoccl.matmul_psum chunks={c}": _timed(
             mesh, lambda x, w, c=c: jax_hoccl.matmul_psum(x, w, "x", chunks=c),
             (x, w), specs) for c in sweep},
+        **({} if quick else {"jax_hoccl.matmul_psum chunks=1/2,1/4,1/8,1/8": _timed(
+            mesh, lambda x, w, b=m_total // n: jax_hoccl.matmul_psum(
+                x, w, "x", chunks=(b // 2, b // 4, b // 8, b // 8)), (x, w), specs)}),
         "jax.lax matmul+psum": _timed(
             mesh, lambda x, w: jax.lax.psum(x @ w, "x"), (x, w), specs),
     }
