@@ -1,9 +1,12 @@
 """Fused matmul-collective ops vs their unfused jax.lax forms, the ppermute "collective
 matmul" recipe, and the local GEMM alone (the floor a perfectly hidden exchange reaches).
-Imported by bench.py; rows: {"op", "impl", "shape", "time_ms", "gemm_only_ms"}.
+Imported by bench.py; rows: {"op", "impl", "shape", "time_ms", "gemm_only_ms", "ratio"}.
 
 Each timing runs the op 10 times in a fori_loop inside one jit (the output feeds one element
-of the next input, an in-place update), median of 5 calls, divided by 10.
+of the next input, an in-place update), divided by 10. The GEMM alone and every variant of a
+shape are timed in interleaved rounds (GEMM, A, B, ..., GEMM, A, B, ...): H200 clocks drift by
+up to 10% over a minute of GEMMs, so `ratio` is the median over rounds of (variant / the GEMM
+of the same round), and the times are medians over rounds.
 """
 from __future__ import annotations
 
@@ -17,10 +20,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_hoccl
 
 ITERS = 10
+ROUNDS = 7
 
 
-def _timed(mesh, body, args, in_specs, repeats=5):
-  """ms per call of body(*args) -> array, chained ITERS times through args[0][0, ...]."""
+def _compiled(mesh, body, args, in_specs):
+  """A no-argument callable: one timed call (seconds) of body chained ITERS times through
+  args[0][0, ...], compiled and warmed up."""
 
   def loop(*args):
     def step(_, carry):
@@ -33,12 +38,27 @@ def _timed(mesh, body, args, in_specs, repeats=5):
   f = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=in_specs, out_specs=in_specs[0]))
   args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)]
   jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(repeats):
+
+  def once():
     t0 = time.perf_counter()
     jax.block_until_ready(f(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts)) / ITERS * 1e3
+    return time.perf_counter() - t0
+  return once
+
+
+def _paired(mesh, gemm_body, gemm_args, impls, args, in_specs, rounds=ROUNDS):
+  """({impl: (ms, ratio)}, gemm ms): the GEMM alone and each impl timed in interleaved
+  rounds; ratio = median over rounds of impl / GEMM of the same round."""
+  gemm = _compiled(mesh, gemm_body, gemm_args, in_specs)
+  runs = {name: _compiled(mesh, body, args, in_specs) for name, body in impls.items()}
+  g_t, t = [], {name: [] for name in impls}
+  for _ in range(rounds):
+    g_t.append(gemm())
+    for name, run in runs.items():
+      t[name].append(run())
+  ms = lambda ts: float(np.median(ts)) / ITERS * 1e3  # noqa: E731
+  out = {name: (ms(ts), float(np.median(np.array(ts) / np.array(g_t)))) for name, ts in t.items()}
+  return out, ms(g_t)
 
 
 def _ring_collective_matmul(x, w, n):
@@ -63,11 +83,13 @@ def bench_fused(mesh, quick=False):
   def rnd(*shape, dtype=bf16):
     return (rng.standard_normal(shape, dtype=np.float32) * 0.05).astype(dtype)
 
-  def record(op, shape, impls, gemm_ms):
-    for impl, ms in impls.items():
-      rows.append(dict(op=op, impl=impl, shape=shape, time_ms=ms, gemm_only_ms=gemm_ms))
-      print(f"  {op:22s} {impl:30s} {shape:26s} {ms:8.3f} ms  (GEMM only {gemm_ms:.3f}, "
-            f"x{ms / gemm_ms:.2f})", flush=True)
+  def record(op, shape, gemm_body, gemm_args, impls, args, specs):
+    results, gemm_ms = _paired(mesh, gemm_body, gemm_args, impls, args, specs)
+    for impl, (ms, ratio) in results.items():
+      rows.append(dict(op=op, impl=impl, shape=shape, time_ms=ms, gemm_only_ms=gemm_ms,
+                       ratio=ratio))
+      print(f"  {op:22s} {impl:34s} {shape:26s} {ms:8.3f} ms  (GEMM only {gemm_ms:.3f}, "
+            f"x{ratio:.2f})", flush=True)
 
   k_dim = n_dim = 1024 if quick else 8192
   for m_total in ([256] if quick else [4096, 16384]):
@@ -76,88 +98,64 @@ def bench_fused(mesh, quick=False):
     x = rnd(m_total, k_dim)
     w = rnd(k_dim, n_dim)
     specs = (P("x"), P(None, "x"))
-    gemm = _timed(mesh, lambda xf, w: xf @ w, (np.tile(x, (n, 1)), w), specs)
-    record("all_gather_matmul", shape, {
-        "jax_hoccl.all_gather_matmul": _timed(
-            mesh, lambda x, w: jax_hoccl.all_gather_matmul(x, w, "x"), (x, w), specs),
-        "jax.lax all_gather+matmul": _timed(
-            mesh, lambda x, w: jax.lax.all_gather(x, "x", tiled=True) @ w, (x, w), specs),
-        "jax.lax ppermute ring recipe": _timed(
-            mesh, lambda x, w: _ring_collective_matmul(x, w, n), (x, w), specs),
-    }, gemm)
+    record("all_gather_matmul", shape, lambda xf, w: xf @ w, (np.tile(x, (n, 1)), w), {
+        "jax_hoccl.all_gather_matmul": lambda x, w: jax_hoccl.all_gather_matmul(x, w, "x"),
+        "jax.lax all_gather+matmul": lambda x, w: jax.lax.all_gather(x, "x", tiled=True) @ w,
+        "jax.lax ppermute ring recipe": lambda x, w: _ring_collective_matmul(x, w, n),
+    }, (x, w), specs)
     # Row-parallel: x columns sharded, w rows sharded; per device [M, K/n] @ [K/n, N].
     x = rnd(m_total, k_dim)
     w = rnd(k_dim, n_dim)
     specs = (P(None, "x"), P("x"))
-    gemm = _timed(mesh, lambda x, w: x @ w, (x, w), specs)
-    # matmul_psum's default piece schedule, and equal pieces for comparison (per rank block).
-    sweep = [] if quick else [2, 4, 8]
-    # GEMM alone: the mean of a run before and after these rows (H200 clocks drift by up to
-    # 10% over a minute of GEMMs at M=16384; both runs are printed).
-    impls_rs = {
-        "jax_hoccl.matmul_reduce_scatter": _timed(
-            mesh, lambda x, w: jax_hoccl.matmul_reduce_scatter(x, w, "x"), (x, w), specs),
-        "jax.lax matmul+psum_scatter": _timed(
-            mesh, lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True), (x, w), specs),
-    }
-    impls_ps = {
-        "jax_hoccl.matmul_psum": _timed(
-            mesh, lambda x, w: jax_hoccl.matmul_psum(x, w, "x"), (x, w), specs),
-        **{f"jax_hoccl.matmul_psum chunks={c}": _timed(
-            mesh, lambda x, w, c=c: jax_hoccl.matmul_psum(x, w, "x", chunks=c),
-            (x, w), specs) for c in sweep},
-        **({} if quick else {"jax_hoccl.matmul_psum chunks=1/2,1/4,1/8,1/8": _timed(
-            mesh, lambda x, w, b=m_total // n: jax_hoccl.matmul_psum(
-                x, w, "x", chunks=(b // 2, b // 4, b // 8, b // 8)), (x, w), specs)}),
-        "jax.lax matmul+psum": _timed(
-            mesh, lambda x, w: jax.lax.psum(x @ w, "x"), (x, w), specs),
-    }
-    gemm_after = _timed(mesh, lambda x, w: x @ w, (x, w), specs)
-    print(f"  GEMM only before/after: {gemm:.3f} / {gemm_after:.3f} ms", flush=True)
-    gemm = (gemm + gemm_after) / 2
-    record("matmul_reduce_scatter", shape, impls_rs, gemm)
-    record("matmul_psum", shape, impls_ps, gemm)
-
+    record("matmul_reduce_scatter", shape, lambda x, w: x @ w, (x, w), {
+        "jax_hoccl.matmul_reduce_scatter":
+            lambda x, w: jax_hoccl.matmul_reduce_scatter(x, w, "x"),
+        "jax.lax matmul+psum_scatter": lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True),
+    }, (x, w), specs)
+    # matmul_psum's default piece schedule, then other schedules for comparison (the rows of
+    # a rank's block b = M/n: equal pieces, and halving ones).
+    b = m_total // n
+    sweep = {} if quick else {"2": 2, "4": 4, "8": 8, "b/2,b/4,b/8,b/8": (b // 2, b // 4, b // 8,
+                                                                          b // 8)}
+    record("matmul_psum", shape, lambda x, w: x @ w, (x, w), {
+        "jax_hoccl.matmul_psum": lambda x, w: jax_hoccl.matmul_psum(x, w, "x"),
+        **{f"jax_hoccl.matmul_psum chunks={name}":
+           (lambda x, w, c=c: jax_hoccl.matmul_psum(x, w, "x", chunks=c))
+           for name, c in sweep.items()},
+        "jax.lax matmul+psum": lambda x, w: jax.lax.psum(x @ w, "x"),
+    }, (x, w), specs)
 
   # GEMV shapes (decode): psum of a [M, K/n] @ [K/n, N] partial product.
   for m in ([1, 16] if quick else [1, 16, 64]):
     x, w = rnd(m, k_dim), rnd(k_dim, n_dim)
     specs = (P(None, "x"), P("x"))
-    gemm = _timed(mesh, lambda x, w: x @ w, (x, w), specs)
-    record("matmul_psum", f"GEMV M={m},K={k_dim},N={n_dim}", {
-        "jax_hoccl.matmul_psum": _timed(
-            mesh, lambda x, w: jax_hoccl.matmul_psum(x, w, "x"), (x, w), specs),
-        "jax.lax matmul+psum": _timed(
-            mesh, lambda x, w: jax.lax.psum(x @ w, "x"), (x, w), specs),
-    }, gemm)
+    record("matmul_psum", f"GEMV M={m},K={k_dim},N={n_dim}", lambda x, w: x @ w, (x, w), {
+        "jax_hoccl.matmul_psum": lambda x, w: jax_hoccl.matmul_psum(x, w, "x"),
+        "jax.lax matmul+psum": lambda x, w: jax.lax.psum(x @ w, "x"),
+    }, (x, w), specs)
 
   # MoE combine: per device x [n, E, C, H] (tokens of every rank for my E experts), w [E, H, D].
   e, c, h, d = (2, 64, 256, 256) if quick else (4, 2048, 4096, 4096)
   x, w = rnd(n * n, e, c, h), rnd(n * e, h, d)
   specs = (P("x"), P("x"))
-  shape = f"E={e}/dev,C={c},H={h},D={d}"
-  gemm = _timed(mesh, lambda x, w: jnp.matmul(x, w), (x, w), specs)
-  record("matmul_all_to_all", shape, {
-      "jax_hoccl.matmul_all_to_all": _timed(
-          mesh, lambda x, w: jax_hoccl.matmul_all_to_all(x, w, "x"), (x, w), specs),
-      "jax.lax matmul+all_to_all": _timed(
-          mesh, lambda x, w: jax.lax.all_to_all(jnp.matmul(x, w), "x", 0, 0, tiled=True), (x, w),
-          specs),
-  }, gemm)
+  record("matmul_all_to_all", f"E={e}/dev,C={c},H={h},D={d}",
+         lambda x, w: jnp.matmul(x, w), (x, w), {
+             "jax_hoccl.matmul_all_to_all": lambda x, w: jax_hoccl.matmul_all_to_all(x, w, "x"),
+             "jax.lax matmul+all_to_all": lambda x, w: jax.lax.all_to_all(
+                 jnp.matmul(x, w), "x", 0, 0, tiled=True),
+         }, (x, w), specs)
 
   # DLRM embeddings: per device a table [V, D] f32 and ids [n, B, L] of every rank's samples.
   v, dim, b, l = (1000, 16, 64, 4) if quick else (1 << 20, 128, 65536, 20)
   table = rng.standard_normal((n * v, dim), dtype=np.float32)
   ids = rng.integers(0, v, (n * n, b, l)).astype(np.int32)
   specs = (P("x"), P("x"))
-  shape = f"V={v},D={dim},B={b},L={l}"
-  lookup = lambda t, i: jnp.take(t, i, axis=0).sum(-2)
-  gemm = _timed(mesh, lookup, (table, ids), specs)  # "GEMM only" = the local lookup alone
-  record("embedding_all_to_all", shape, {
-      "jax_hoccl.embedding_all_to_all": _timed(
-          mesh, lambda t, i: jax_hoccl.embedding_all_to_all(t, i, "x"), (table, ids), specs),
-      "jax.lax lookup+all_to_all": _timed(
-          mesh, lambda t, i: jax.lax.all_to_all(lookup(t, i), "x", 0, 0, tiled=True),
-          (table, ids), specs),
-  }, gemm)
+  lookup = lambda t, i: jnp.take(t, i, axis=0).sum(-2)  # noqa: E731
+  # "GEMM only" here = the local lookup alone
+  record("embedding_all_to_all", f"V={v},D={dim},B={b},L={l}", lookup, (table, ids), {
+      "jax_hoccl.embedding_all_to_all":
+          lambda t, i: jax_hoccl.embedding_all_to_all(t, i, "x"),
+      "jax.lax lookup+all_to_all":
+          lambda t, i: jax.lax.all_to_all(lookup(t, i), "x", 0, 0, tiled=True),
+  }, (table, ids), specs)
   return rows

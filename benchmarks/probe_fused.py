@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_hoccl  # noqa: E402
-from bench_fused import _timed  # noqa: E402
+from bench_fused import _paired  # noqa: E402
 
 
 def schedule(text):
@@ -60,9 +60,9 @@ def main():
   specs = (P(None, "x"), P("x"))
   fn = getattr(jax_hoccl, op)
   body = lambda x, w: fn(x, w, "x", chunks=chunks)  # noqa: E731
-  gemm = _timed(mesh, lambda x, w: x @ w, (x, w), specs)
-  ms = _timed(mesh, body, (x, w), specs)
-  print(f"{op} chunks={chunks} M={m_total}: {ms:.3f} ms, GEMM {gemm:.3f} ms, x{ms / gemm:.3f}")
+  (res, gemm), = [_paired(mesh, lambda x, w: x @ w, (x, w), {"op": body}, (x, w), specs)]
+  ms, ratio = res["op"]
+  print(f"{op} chunks={chunks} M={m_total}: {ms:.3f} ms, GEMM {gemm:.3f} ms, x{ratio:.3f}")
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P()
                             if op == "matmul_psum" else P("x"), check_vma=False))
   args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)]
