@@ -103,14 +103,17 @@ def spans_processes(mesh, axes) -> bool:
 
 
 def check_single_process(mesh, axes, op: str) -> None:
-  """Groups must live in one process for now: peers find each other through an in-process
-  rendezvous (one process per GPU needs the IPC transport, see cc/cuda_executor.h)."""
+  """An FFI call's group must live in one process: peers find each other through an
+  in-process rendezvous (one process per GPU needs the IPC transport, see
+  cc/cuda_executor.h). The collectives compose across processes before they get here
+  (ops/across_processes.py); async pairs and fused ops cannot."""
   if spans_processes(mesh, axes):
     raise NotImplementedError(
-        f"jax_hoccl.{op}: the group over {axes} spans several processes; jax_hoccl runs "
-        "collectives among the devices of one process only so far (psum is the exception: "
-        "it sums inside each process with jax_hoccl and across processes with jax.lax). Use one "
-        "process driving all local GPUs, or jax.lax for axes that cross processes.")
+        f"jax_hoccl.{op}: the group over {axes} spans several processes; async pairs and "
+        "fused ops run among the devices of one process only (psum, all_gather, psum_scatter, "
+        "all_to_all and ppermute work across processes: jax_hoccl inside each, XLA's "
+        "collectives across). Use one process driving all local GPUs for these axes, or the "
+        "plain collectives.")
 
 
 def ffi_group_attrs(ctx, axes, op: str, site: int) -> dict:

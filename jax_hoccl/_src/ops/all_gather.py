@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
-from jax_hoccl._src.ops import common
+from jax_hoccl._src.ops import across_processes, common
 
 all_gather_p = ji.Primitive("hoccl_all_gather")
 
@@ -27,6 +27,9 @@ def _abstract_eval(x, *, axes, axis_size, invariant, site):
 
 
 def _lowering(ctx, x, *, axes, axis_size, invariant, site):
+  across = across_processes.lowering_for("all_gather", ctx, x, axes=axes, invariant=invariant)
+  if across is not None:
+    return across
   return ffi_lower("hoccl_all_gather", "all_gather", ctx, x,
                    **axes_lib.ffi_group_attrs(ctx, axes, "all_gather", site))
 

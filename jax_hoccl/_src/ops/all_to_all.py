@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
-from jax_hoccl._src.ops import common
+from jax_hoccl._src.ops import across_processes, common
 
 all_to_all_p = ji.Primitive("hoccl_all_to_all")
 
@@ -27,6 +27,9 @@ def _abstract_eval(x, *, axes, axis_size, site):
 
 
 def _lowering(ctx, x, *, axes, axis_size, site):
+  across = across_processes.lowering_for("all_to_all", ctx, x, axes=axes)
+  if across is not None:
+    return across
   return ffi_lower("hoccl_all_to_all", "all_to_all", ctx, x,
                    **axes_lib.ffi_group_attrs(ctx, axes, "all_to_all", site))
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
-from jax_hoccl._src.ops import common
+from jax_hoccl._src.ops import across_processes, common
 
 ppermute_p = ji.Primitive("hoccl_ppermute")
 
@@ -24,6 +24,9 @@ def _abstract_eval(x, *, axes, axis_size, perm, site):
 
 
 def _lowering(ctx, x, *, axes, axis_size, perm, site):
+  across = across_processes.lowering_for("ppermute", ctx, x, axes=axes, perm=perm)
+  if across is not None:
+    return across
   dst = np.full(axis_size, -1, np.int64)
   for s, d in perm:
     dst[s] = d

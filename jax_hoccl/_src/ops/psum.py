@@ -16,13 +16,12 @@ import contextlib
 import os
 import threading
 
-import numpy as np
 import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
-from jax_hoccl._src.ops import common
+from jax_hoccl._src.ops import across_processes, common
 from jax_hoccl._src.ops.all_gather import gather_stacked
 from jax_hoccl._src.ops.psum_scatter import reduce_scatter_stacked
 
@@ -115,40 +114,16 @@ def _batch(args, dims, **params):
   return psum_p.bind(x, **params), d
 
 
-psum_p.def_abstract_eval(_abstract_eval)
-def _hierarchical(x, *, local, cross, algorithm):
-  """psum over axes whose groups span processes (nodes): reduce-scatter inside each process
-  (copy engines), XLA's own psum across processes on 1/n_local of the bytes (NCCL / gloo),
-  all-gather inside each process (copy engines)."""
-  if not local:
-    return jax.lax.psum(x, cross)
-  local_axes, n = local
-  flat = x.reshape(-1)
-  size = flat.shape[0]
-  padded = -(-size // n) * n
-  if padded != size:
-    flat = jnp.pad(flat, (0, padded - size))
-  part = reduce_scatter_stacked(flat.reshape(n, padded // n), local_axes, n)
-  part = jax.lax.psum(part, cross)
-  full = gather_stacked(part, local_axes, n, invariant=True).reshape(-1)
-  return full[:size].reshape(x.shape)
-
-
 def _lowering(ctx, x, *, axes, axis_size, algorithm, site):
-  mesh = ji.concrete_mesh_from_lowering(ctx, "psum")
-  if not axes_lib.spans_processes(mesh, axes):
-    return ji.lower_fun(_impl, multiple_results=False)(
-        ctx, x, axes=axes, axis_size=axis_size, algorithm=algorithm, site=site)
-  # Split the axes: those whose groups stay inside one process, and the rest.
-  cross = tuple(a for a in axes if axes_lib.spans_processes(mesh, (a,)))
-  local_axes = tuple(a for a in axes if a not in cross)
-  if local_axes and axes_lib.spans_processes(mesh, local_axes):
-    cross, local_axes = axes, ()
-  local = (local_axes, int(np.prod([mesh.shape[a] for a in local_axes]))) if local_axes else None
-  return ji.lower_fun(_hierarchical, multiple_results=False)(
-      ctx, x, local=local, cross=cross, algorithm=algorithm)
+  # Groups spanning processes: inside with jax_hoccl, across with jax.lax (across_processes).
+  across = across_processes.lowering_for("psum", ctx, x, axes=axes)
+  if across is not None:
+    return across
+  return ji.lower_fun(_impl, multiple_results=False)(
+      ctx, x, axes=axes, axis_size=axis_size, algorithm=algorithm, site=site)
 
 
+psum_p.def_abstract_eval(_abstract_eval)
 ji.register_lowering(psum_p, _lowering)
 ji.deflinear2(psum_p, _transpose)
 ji.primitive_batchers[psum_p] = _batch

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
-from jax_hoccl._src.ops import common
+from jax_hoccl._src.ops import across_processes, common
 from jax_hoccl._src.ops.all_to_all import exchange_stacked
 
 reduce_scatter_p = ji.Primitive("hoccl_reduce_scatter")
@@ -43,8 +43,16 @@ def _batch(args, dims, **params):
   return reduce_scatter_p.bind(x, **params), d - 1
 
 
+def _lowering(ctx, x, *, axes, axis_size, site):
+  across = across_processes.lowering_for("reduce_scatter", ctx, x, axes=axes)
+  if across is not None:
+    return across
+  return ji.lower_fun(_impl, multiple_results=False)(ctx, x, axes=axes, axis_size=axis_size,
+                                                      site=site)
+
+
 reduce_scatter_p.def_abstract_eval(_abstract_eval)
-ji.register_lowering(reduce_scatter_p, ji.lower_fun(_impl, multiple_results=False))
+ji.register_lowering(reduce_scatter_p, _lowering)
 ji.deflinear2(reduce_scatter_p, _transpose)
 ji.primitive_batchers[reduce_scatter_p] = _batch
 
