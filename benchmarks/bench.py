@@ -327,11 +327,14 @@ def main(argv=None):
 
 
 def git_commit() -> str:
+  # A device machine may get the working tree with a stale .git: JAX_HOCCL_COMMIT wins.
+  if os.environ.get("JAX_HOCCL_COMMIT"):
+    return os.environ["JAX_HOCCL_COMMIT"]
   try:
     return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                    cwd=os.path.dirname(os.path.abspath(__file__))).strip()
   except Exception:
-    return os.environ.get("JAX_HOCCL_COMMIT", "unknown")
+    return "unknown"
 
 
 if __name__ == "__main__":

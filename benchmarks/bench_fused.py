@@ -110,6 +110,10 @@ def bench_fused(mesh, quick=False):
     record("matmul_reduce_scatter", shape, lambda x, w: x @ w, (x, w), {
         "jax_hoccl.matmul_reduce_scatter":
             lambda x, w: jax_hoccl.matmul_reduce_scatter(x, w, "x"),
+        **({} if quick else {
+            f"jax_hoccl.matmul_reduce_scatter chunks={c}":
+            (lambda x, w, c=c: jax_hoccl.matmul_reduce_scatter(x, w, "x", chunks=c))
+            for c in (1, 2, 4)}),
         "jax.lax matmul+psum_scatter": lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True),
     }, (x, w), specs)
     # matmul_psum's default piece schedule, then other schedules for comparison (the rows of

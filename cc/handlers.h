@@ -30,6 +30,7 @@ XLA_FFI_Error* kAllGatherIntoStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kDoneCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kRowsMatmulCuda(XLA_FFI_CallFrame* call_frame);  // rows_matmul_cuda.cc
 #endif
 }
 

@@ -22,9 +22,9 @@ nb::capsule Capsule(T* fn) {
 
 nb::dict Registrations() {
   nb::dict d;
-  auto add = [&](const char* name, nb::capsule cpu, nb::object cuda) {
+  auto add = [&](const char* name, nb::object cpu, nb::object cuda) {
     nb::dict per_platform;
-    per_platform["cpu"] = cpu;
+    if (!cpu.is_none()) per_platform["cpu"] = cpu;
     if (!cuda.is_none()) per_platform["CUDA"] = cuda;
     d[name] = per_platform;
   };
@@ -45,6 +45,8 @@ nb::dict Registrations() {
   add("hoccl_all_to_all_start", Capsule(hoccl::kAllToAllStartCpu), Capsule(hoccl::kAllToAllStartCuda));
   add("hoccl_ppermute_start", Capsule(hoccl::kPermuteStartCpu), Capsule(hoccl::kPermuteStartCuda));
   add("hoccl_done", Capsule(hoccl::kDoneCpu), Capsule(hoccl::kDoneCuda));
+  // GEMM on row ranges (fused ops); on CPU the lowering is XLA's own dot instead.
+  add("hoccl_rows_matmul", nb::none(), Capsule(hoccl::kRowsMatmulCuda));
 #else
   add("hoccl_all_gather_start", Capsule(hoccl::kAllGatherStartCpu), nb::none());
   add("hoccl_all_gather_into_start", Capsule(hoccl::kAllGatherIntoStartCpu), nb::none());

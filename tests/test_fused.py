@@ -109,13 +109,17 @@ def case_agmm(mesh, dtype, rng, replicated_w=False):
   return (x, w), (x.sharding.spec, w.sharding.spec), out, ours, lax
 
 
-def case_mmrs(mesh, dtype, rng):
+def case_mmrs(mesh, dtype, rng, chunk_list=(None, 3, (1, 2))):
+  """3 rows per rank block: one piece, equal pieces and uneven pieces in one program."""
   n, d = mesh.shape["tp"], mesh.shape["dp"]
-  x = put(mesh, rand(rng, (n * 2, d, n * 4), dtype), P(None, "dp", "tp"))  # local [2n, 1, 4]
+  x = put(mesh, rand(rng, (n * 3, d, n * 4), dtype), P(None, "dp", "tp"))  # local [3n, 1, 4]
   w = put(mesh, rand(rng, (n * 4, 3), dtype), P("tp", None))  # local [4, 3]
-  ours = lambda x, w: {"out": hc.matmul_reduce_scatter(x, w, "tp")}
-  lax = lambda x, w: {"out": jax.lax.psum_scatter(x @ w, "tp", tiled=True)}
-  return (x, w), (x.sharding.spec, w.sharding.spec), P("tp", "dp", None), ours, lax
+  ours = lambda x, w: {f"chunks={c}": hc.matmul_reduce_scatter(x, w, "tp", chunks=c)
+                       for c in chunk_list}
+  lax = lambda x, w: {f"chunks={c}": jax.lax.psum_scatter(x @ w, "tp", tiled=True)
+                      for c in chunk_list}
+  return ((x, w), (x.sharding.spec, w.sharding.spec),
+          {f"chunks={c}": P("tp", "dp", None) for c in chunk_list}, ours, lax)
 
 
 def case_mmps(mesh, dtype, rng, chunk_list=(None, 1, 2, 4, (2, 1, 1))):
@@ -411,33 +415,41 @@ def test_lowers_to_hoccl_only(case, check_vma):
 # The ring's structure: GEMMs do the sums, copy engines assemble the output
 # ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("chunks", [2, (2, 1, 1)])
-def test_ring_sums_in_gemm_epilogues(chunks):
-  """matmul_psum lowers to (n-1) ppermute starts per piece, every add takes a dot's result
-  (XLA can fold it into the GEMM's epilogue: no sum of gathered partials), and its output is
-  assembled by all_gather_into (one per piece, no concatenate)."""
-  op = "matmul_psum"
+@pytest.mark.parametrize("op,chunks", [("matmul_psum", 2), ("matmul_psum", (2, 1, 1)),
+                                       ("matmul_reduce_scatter", 2),
+                                       ("matmul_reduce_scatter", (1, 3))])
+def test_ring_structure(op, chunks):
+  """The ring's program, lowered for CPU and (cross-platform, no GPU needed) for CUDA:
+  (n-1) ppermute starts per piece and n GEMMs per piece; on CUDA every GEMM is a
+  hoccl_rows_matmul (x's rows read in place, the received partial added in the epilogue,
+  matmul_reduce_scatter's output written in place), so no dynamic_slice, add or concatenate
+  is left; on CPU every add takes a dot's result; matmul_psum assembles its output with
+  all_gather_into. The values equal jax.lax on CPU."""
   mesh = MESHES["tp4"]
   n, d = mesh.shape["tp"], mesh.shape["dp"]
   rng = np.random.default_rng(0)
-  x = put(mesh, rand(rng, (d * 4 * n, n * 4), jnp.float32), P("dp", "tp"))
-  w = put(mesh, rand(rng, (n * 4, 2), jnp.float32), P("tp", None))
+  x = put(mesh, rand(rng, (d * 4 * n, n * 4), jnp.bfloat16), P("dp", "tp"))
+  w = put(mesh, rand(rng, (n * 4, 2), jnp.bfloat16), P("tp", None))
   fn = getattr(hc, op)
   out = P("dp", None) if op == "matmul_psum" else P(("dp", "tp"), None)
-  sm = jax.shard_map(lambda x, w: fn(x, w, "tp", chunks=chunks), mesh=mesh,
-                     in_specs=(P("dp", "tp"), P("tp", None)), out_specs=out)
-  text = jax.jit(sm).lower(x, w).as_text()
+  sm = jax.jit(jax.shard_map(lambda x, w: fn(x, w, "tp", chunks=chunks), mesh=mesh,
+                             in_specs=(P("dp", "tp"), P("tp", None)), out_specs=out))
   pieces = chunks if isinstance(chunks, int) else len(chunks)
-  assert text.count("@hoccl_ppermute_start(") == pieces * (n - 1)
-  dots = set(re.findall(r"(%[\w#]+) = stablehlo.dot_general", text))
-  adds = re.findall(r"= stablehlo.add (%[\w#]+), (%[\w#]+) : tensor<\d+x2xf32>", text)
-  assert len(adds) == pieces * (n - 1)
-  assert all(a in dots or b in dots for a, b in adds), adds
-  assert text.count("@hoccl_all_gather_into_start(") == pieces
-  assert "stablehlo.concatenate" not in text
-  got = jax.jit(sm)(x, w)
+  cpu = sm.lower(x, w).as_text()
+  cuda = sm.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+  for text in (cpu, cuda):
+    assert text.count("@hoccl_ppermute_start(") == pieces * (n - 1)
+    assert "stablehlo.concatenate" not in text
+    if op == "matmul_psum":
+      assert text.count("@hoccl_all_gather_into_start(") == pieces
+  assert cuda.count("@hoccl_rows_matmul(") == pieces * n
+  assert "dynamic_slice" not in cuda and "stablehlo.dot_general" not in cuda
+  assert not re.search(r"stablehlo.add \S+, \S+ : tensor<\d+x2xbf16>", cuda)
+  dots = set(re.findall(r"(%[\w#]+) = stablehlo.dot_general", cpu))
+  adds = re.findall(r"= stablehlo.add (%[\w#]+), (%[\w#]+) : tensor<\d+x2xbf16>", cpu)
+  assert len(adds) == pieces * (n - 1) and all(a in dots or b in dots for a, b in adds), adds
   ref = jax.jit(jax.shard_map(
       lambda x, w: (jax.lax.psum(x @ w, "tp") if op == "matmul_psum"
                     else jax.lax.psum_scatter(x @ w, "tp", tiled=True)),
       mesh=mesh, in_specs=(P("dp", "tp"), P("tp", None)), out_specs=out))(x, w)
-  assert_close(got, ref, jnp.float32, name=op)
+  assert_close(sm(x, w), ref, jnp.bfloat16, name=op)

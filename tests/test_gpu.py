@@ -195,6 +195,10 @@ FUSED = {
     "matmul_psum": (lambda x, w: jax_hoccl.matmul_psum(x, w, "x", chunks=2),
                     lambda x, w: jax.lax.psum(x @ w, "x"),
                     (P(None, "x"), P("x")), P(), (64, 32), (32, 48)),
+    "matmul_reduce_scatter uneven pieces": (
+        lambda x, w: jax_hoccl.matmul_reduce_scatter(x, w, "x", chunks=(4, 8, 16, 4)),
+        lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True),
+        (P(None, "x"), P("x")), P("x"), (64, 32), (32, 48)),
     "matmul_psum uneven pieces": (
         lambda x, w: jax_hoccl.matmul_psum(x, w, "x", chunks=(16, 8, 4, 4)),
         lambda x, w: jax.lax.psum(x @ w, "x"),
@@ -231,19 +235,24 @@ def test_fused_on_gpu(mesh, name):
     np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["matmul_psum"])
-def test_ring_default_pieces_bf16_on_gpu(mesh, name):
-  """The default piece schedule (several pieces at this size: 4 MiB rank blocks) in bf16,
-  with the sums in the GEMM epilogues, against jax.lax."""
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("chunks", [None, 2, (256, 128, 64, 64)])
+@pytest.mark.parametrize("name", ["matmul_psum", "matmul_reduce_scatter"])
+def test_ring_on_gpu(mesh, name, chunks, dtype):
+  """The ring on cuBLASLt (rows_matmul: x's rows read in place, received partials added in
+  the epilogue, output rows written in place), one piece, equal and uneven pieces, in bf16
+  and f16, against jax.lax."""
   n = len(GPUS)
-  x, w = _rand((1024, 256 * n), jnp.bfloat16, 21), _rand((256 * n, 4096), jnp.bfloat16, 22)
-  ours = lambda x, w: getattr(jax_hoccl, name)(x, w, "x")  # noqa: E731
+  x, w = _rand((1024, 256 * n), dtype, 21), _rand((256 * n, 4096), dtype, 22)
+  ours = lambda x, w: getattr(jax_hoccl, name)(x, w, "x", chunks=chunks)  # noqa: E731
   ref = ((lambda x, w: jax.lax.psum(x @ w, "x")) if name == "matmul_psum"  # noqa: E731
          else (lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True)))
   specs, out = (P(None, "x"), P("x")), (P() if name == "matmul_psum" else P("x"))
   args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)]
   run = lambda f: np.asarray(jax.jit(jax.shard_map(  # noqa: E731
       f, mesh=mesh, in_specs=specs, out_specs=out))(*args)).astype(np.float32)
-  a, b = run(ours), run(ref)
+  for _ in range(2):  # a second launch reuses the cached cuBLASLt plans
+    a = run(ours)
+  b = run(ref)
   scale = np.abs(b).max()
-  assert scale > 0 and np.abs(a - b).max() <= 2e-2 * scale
+  assert scale > 0 and np.abs(a - b).max() <= 2e-2 * scale, np.abs(a - b).max() / scale

@@ -34,24 +34,27 @@ def multiply_and_sum(x, w, axes, n, chunks):
     return x @ w
   if chunks == 1 or m % n:
     return _one_shot_psum(x, w, axes)
-  row_bytes = int(np.prod(x.shape[1:-1], dtype=np.int64)) * w.shape[1] * x.dtype.itemsize
+  inner = int(np.prod(x.shape[1:-1], dtype=np.int64))  # rows of x2 per row of x
+  row_bytes = inner * w.shape[1] * x.dtype.itemsize
   pieces = ring.row_pieces(m // n, row_bytes, chunks, "matmul_psum")
   if chunks is None and len(pieces) == 1:
     return _one_shot_psum(x, w, axes)
   starts = np.concatenate([[0], np.cumsum(pieces)[:-1]]) * n
-  out_shape = (m, *x.shape[1:-1], w.shape[1])
+  x2 = x.reshape(-1, x.shape[-1])
   gathers = []
 
   def gather(p, summed, ov):
-    into = gathers[-1].buffer if gathers else out_shape
-    gathers.append(ov.start(ac.all_gather_into_start(summed, axes, into, int(starts[p]),
+    into = gathers[-1].buffer if gathers else (m * inner, w.shape[1])
+    gathers.append(ov.start(ac.all_gather_into_start(summed, axes, into, int(starts[p]) * inner,
                                                      to="invariant")))
 
+  # piece p of block b: x rows [n * O_p + b * r_p, ...) (times `inner` rows of x2)
   _, ov = ring.reduce_scatter_ring(
-      x, w, axes, n, pieces, lambda b, p: starts[p] + b * pieces[p], on_sum=gather)
+      x2, w, axes, n, [r * inner for r in pieces],
+      lambda p: (pieces[p] * inner, int(starts[p]) * inner), on_sum=gather)
   for g in gathers[:-1]:
     ov.wait(g)
-  return ov.done(gathers[-1])
+  return ov.done(gathers[-1]).reshape(*x.shape[:-1], w.shape[1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

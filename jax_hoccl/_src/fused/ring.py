@@ -1,12 +1,13 @@
-"""Reduce-scatter of a matmul's partial products around the ring (matmul_psum's first half).
+"""Reduce-scatter of a matmul's partial products around the ring (matmul_reduce_scatter, and
+matmul_psum's first half).
 
 Row block b of x @ w is summed over the ranks by carrying it around the ring: at step s
 (0..n-1) rank r multiplies its rows of block (r - s - 1) % n, adds the partial sum rank r-1
 sent it, and sends the result on to rank r+1 (copy engines); at step n-1 the block is r's own
 and its sum is complete. Per rank the ring moves (n-1)/n of the output, as a reduce-scatter
-must (gathering every rank's partial and summing would move n-1 times the output). The add
-`x @ w + received` needs no gathered partials: XLA folds it into the GEMM's epilogue when it
-picks cuBLAS (beta = 1); with its Triton GEMMs it is one elementwise kernel per piece.
+must (gathering every rank's partial and summing would move n-1 times the output). Every
+multiplication is a rows_matmul: on GPU it reads x's rows in place and adds the received
+partial in cuBLASLt's epilogue (beta = 1), so the SMs only multiply.
 
 Each block is cut into row pieces and the work runs step by step, piece by piece, (s, p) in
 lexicographic order: a piece's partial sum travels while the SMs multiply the next pieces, and
@@ -18,6 +19,7 @@ from typing import Callable, Sequence
 
 import jax
 
+from jax_hoccl._src.fused.rows_matmul import rows_matmul
 from jax_hoccl._src.ops import async_collectives as ac
 
 # Every piece costs a ppermute and an all-gather on the async stream, each ~30-60 us of fixed
@@ -80,28 +82,34 @@ class Overlap:
     self.token = ac.wait_after(pending, self.token)
 
 
-def reduce_scatter_ring(x, w, axes, n: int, pieces: Sequence[int],
-                        first_row: Callable, on_sum: Callable | None = None):
-  """Summed pieces of my block of x @ w, in piece order.
+def reduce_scatter_ring(x, w, axes, n: int, pieces: Sequence[int], layout: Callable,
+                        on_sum: Callable | None = None, final_rows: int | None = None):
+  """My block of x @ w summed over the ranks, in pieces.
 
-  first_row(b, p) -> x's first row of piece p of block b (b traced); pieces[p] rows each.
-  on_sum(p, summed, overlap) is called as each summed piece is ready (to start sending it)."""
-  r = jax.lax.axis_index(axes[0] if len(axes) == 1 else axes)
+  x is 2-D [M, K]. layout(p) -> (block_rows, piece_row0): piece p (pieces[p] rows) of block b
+  starts at x's row b * block_rows + piece_row0. With final_rows, the summed pieces are written
+  in place into one [final_rows, N] array, piece p at rows [O_p, O_p + pieces[p]) (returned);
+  else each is its own array, passed to on_sum(p, summed, overlap) as it is ready (to start
+  sending it) and returned in a list. Also returns the Overlap (for what follows)."""
   ov = Overlap()
   to_next = [(i, (i + 1) % n) for i in range(n)]
-  in_flight, mine = {}, []
+  offsets = [sum(pieces[:p]) for p in range(len(pieces))]
+  in_flight, mine, out = {}, [], None
   for s in range(n):
-    b = (r - s - 1) % n
     for p, rows in enumerate(pieces):
-      xs = jax.lax.dynamic_slice_in_dim(ov.inputs(x), first_row(b, p), rows, axis=0)
-      if s == 0:
-        part = xs @ w
-      else:
-        part = xs @ w + ov.done(in_flight.pop(p))  # the add rides in the GEMM's epilogue
+      block_rows, piece_row0 = layout(p)
+      received = ov.done(in_flight.pop(p)) if s > 0 else None  # added in the GEMM's epilogue
+      args = dict(shift=n - s - 1, block_rows=block_rows, piece_row0=piece_row0, rows=rows,
+                  c=received)
+      if s == n - 1 and final_rows is not None:
+        out = rows_matmul(ov.inputs(x), w, axes, n, into=out, out_rows=final_rows,
+                          out_row0=offsets[p], **args)
+        continue
+      part = rows_matmul(ov.inputs(x), w, axes, n, **args)
       if s < n - 1:
         in_flight[p] = ov.start(ac.ppermute_start(part, axes, to_next))
       else:
         mine.append(part)
         if on_sum is not None:
           on_sum(p, part, ov)
-  return mine, ov
+  return (out if final_rows is not None else mine), ov

@@ -1,0 +1,261 @@
+// hoccl_rows_matmul on CUDA: out[out_row0 : out_row0 + rows] = x[x_row0 : x_row0 + rows] @ w
+// (+ c), one cuBLASLt call on XLA's stream, reading x's rows and writing out's rows in place
+// through pointer offsets. The fused ops use it where XLA's own dot would need a dynamic-slice
+// copy of x, a separate kernel for "+ received partial" and a concatenate of the pieces
+// (DESIGN change, session 2: those three were most of matmul_reduce_scatter's / matmul_psum's
+// overhead on H200). x_row0 depends on the rank: ((rank + shift) % n) * block_rows + piece_row0.
+//
+// cuBLASLt is not linked: it is resolved at run time from the process (XLA loaded it) or by
+// soname, and declared here with the few types this file needs (the build machine has no
+// cuBLAS headers). Row-major [M, K] @ [K, N] is computed as the column-major product
+// D[N, rows] = W[N, K] * X[K, rows].
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "group.h"
+#include "handlers.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace hoccl {
+namespace {
+
+// ---- the slice of cuBLASLt's C API used here (values from its public header)
+using LtStatus = int;                       // cublasStatus_t, 0 = success
+using LtHandle = void*;                     // cublasLtHandle_t
+using LtDesc = void*;                       // cublasLtMatmulDesc_t
+using LtLayout = void*;                     // cublasLtMatrixLayout_t
+using LtPref = void*;                       // cublasLtMatmulPreference_t
+struct LtAlgo { uint64_t data[8]; };        // cublasLtMatmulAlgo_t
+struct LtHeuristic {                        // cublasLtMatmulHeuristicResult_t
+  LtAlgo algo;
+  size_t workspace_size;
+  LtStatus state;
+  float waves_count;
+  int reserved[4];
+};
+constexpr int kComputeF32 = 68;             // CUBLAS_COMPUTE_32F
+constexpr int kScaleF32 = 0;                // CUDA_R_32F
+constexpr int kPrefMaxWorkspace = 1;        // CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS's advice for Hopper
+
+struct Lt {
+  LtStatus (*create)(LtHandle*) = nullptr;
+  LtStatus (*desc_create)(LtDesc*, int, int) = nullptr;
+  LtStatus (*layout_create)(LtLayout*, int, uint64_t, uint64_t, int64_t) = nullptr;
+  LtStatus (*pref_create)(LtPref*) = nullptr;
+  LtStatus (*pref_set)(LtPref, int, const void*, size_t) = nullptr;
+  LtStatus (*heuristic)(LtHandle, LtDesc, LtLayout, LtLayout, LtLayout, LtLayout, LtPref, int,
+                        LtHeuristic*, int*) = nullptr;
+  LtStatus (*matmul)(LtHandle, LtDesc, const void*, const void*, LtLayout, const void*, LtLayout,
+                     const void*, const void*, LtLayout, void*, LtLayout, const LtAlgo*, void*,
+                     size_t, cudaStream_t) = nullptr;
+  std::string error;
+};
+
+const Lt& GetLt() {
+  static const Lt lt = [] {
+    Lt l;
+    void* lib = nullptr;
+    for (const char* name : {"libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"}) {
+      lib = dlopen(name, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);  // XLA's copy, if loaded
+      if (!lib) lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+      if (lib) break;
+    }
+    if (!lib) {
+      l.error = "cuBLASLt (libcublasLt.so.13/.12) not found in the process or on the library path";
+      return l;
+    }
+    auto sym = [&](const char* s) { return dlsym(lib, s); };
+    l.create = reinterpret_cast<decltype(l.create)>(sym("cublasLtCreate"));
+    l.desc_create = reinterpret_cast<decltype(l.desc_create)>(sym("cublasLtMatmulDescCreate"));
+    l.layout_create =
+        reinterpret_cast<decltype(l.layout_create)>(sym("cublasLtMatrixLayoutCreate"));
+    l.pref_create =
+        reinterpret_cast<decltype(l.pref_create)>(sym("cublasLtMatmulPreferenceCreate"));
+    l.pref_set =
+        reinterpret_cast<decltype(l.pref_set)>(sym("cublasLtMatmulPreferenceSetAttribute"));
+    l.heuristic =
+        reinterpret_cast<decltype(l.heuristic)>(sym("cublasLtMatmulAlgoGetHeuristic"));
+    l.matmul = reinterpret_cast<decltype(l.matmul)>(sym("cublasLtMatmul"));
+    if (!l.create || !l.desc_create || !l.layout_create || !l.pref_create || !l.pref_set ||
+        !l.heuristic || !l.matmul)
+      l.error = "cuBLASLt is missing an entry point";
+    return l;
+  }();
+  return lt;
+}
+
+// One handle and workspace per device; one plan (descriptors + algorithm) per shape.
+struct PlanKey {
+  int device, dtype;
+  uint64_t rows, k, n;
+  bool has_c;
+  bool operator<(const PlanKey& o) const {
+    return std::tie(device, dtype, rows, k, n, has_c) <
+           std::tie(o.device, o.dtype, o.rows, o.k, o.n, o.has_c);
+  }
+};
+struct Plan {
+  LtDesc desc = nullptr;
+  LtLayout a = nullptr, b = nullptr, cd = nullptr;
+  LtAlgo algo{};
+};
+struct DeviceLt {
+  LtHandle handle = nullptr;
+  void* workspace = nullptr;
+};
+
+std::mutex g_mu;  // plans and handles are created once, under this lock
+
+std::string Check(LtStatus s, const char* what) {
+  return s == 0 ? "" : std::string(what) + " failed with cuBLAS status " + std::to_string(s);
+}
+
+std::string GetPlan(const Lt& lt, const PlanKey& key, DeviceLt** dev_out, const Plan** plan_out) {
+  static std::map<int, DeviceLt>* devices = new std::map<int, DeviceLt>();
+  static std::map<PlanKey, Plan>* plans = new std::map<PlanKey, Plan>();
+  std::lock_guard<std::mutex> lock(g_mu);
+  DeviceLt& dev = (*devices)[key.device];
+  std::string err;
+  if (!dev.handle) {
+    if (!(err = Check(lt.create(&dev.handle), "cublasLtCreate")).empty()) return err;
+    cudaError_t e = cudaMalloc(&dev.workspace, kWorkspaceBytes);
+    if (e != cudaSuccess) return std::string("cudaMalloc(workspace): ") + cudaGetErrorString(e);
+  }
+  *dev_out = &dev;
+  auto it = plans->find(key);
+  if (it == plans->end()) {
+    Plan p;
+    // Column-major: A = W^T view [n, k] (ld n), B = X^T view [k, rows] (ld k), C/D [n, rows].
+    if (!(err = Check(lt.desc_create(&p.desc, kComputeF32, kScaleF32), "MatmulDescCreate")).empty() ||
+        !(err = Check(lt.layout_create(&p.a, key.dtype, key.n, key.k, key.n), "LayoutCreate")).empty() ||
+        !(err = Check(lt.layout_create(&p.b, key.dtype, key.k, key.rows, key.k), "LayoutCreate")).empty() ||
+        !(err = Check(lt.layout_create(&p.cd, key.dtype, key.n, key.rows, key.n), "LayoutCreate")).empty())
+      return err;
+    LtPref pref = nullptr;
+    uint64_t ws = kWorkspaceBytes;
+    if (!(err = Check(lt.pref_create(&pref), "PreferenceCreate")).empty() ||
+        !(err = Check(lt.pref_set(pref, kPrefMaxWorkspace, &ws, sizeof(ws)), "PreferenceSet")).empty())
+      return err;
+    LtHeuristic result{};
+    int found = 0;
+    err = Check(lt.heuristic(dev.handle, p.desc, p.a, p.b, p.cd, p.cd, pref, 1, &result, &found),
+                "MatmulAlgoGetHeuristic");
+    if (!err.empty()) return err;
+    if (found < 1) return "cuBLASLt has no algorithm for this GEMM";
+    p.algo = result.algo;
+    it = plans->emplace(key, p).first;
+  }
+  *plan_out = &it->second;
+  return "";
+}
+
+int CudaType(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::BF16: return 14;  // CUDA_R_16BF
+    case ffi::DataType::F16: return 2;    // CUDA_R_16F
+    case ffi::DataType::F32: return 0;    // CUDA_R_32F
+    default: return -1;
+  }
+}
+
+// args: x [Mx, K], w [K, N], then c [rows, N] when has_c, then the buffer `out` aliases when
+// the call writes into an earlier call's output (into). out: [My, N].
+ffi::Error RowsMatmulCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
+                          int64_t group_size, int64_t shift, int64_t block_rows,
+                          int64_t piece_row0, int64_t rows, int64_t out_row0, int64_t has_c) {
+  auto fail = [](const std::string& m) {
+    return ffi::Error::InvalidArgument("jax_hoccl rows_matmul: " + m);
+  };
+  auto x = args.get<ffi::AnyBuffer>(0);
+  auto w = args.get<ffi::AnyBuffer>(1);
+  if (x.has_error() || w.has_error()) return fail("needs x and w");
+  const int dtype = CudaType(x->element_type());
+  if (dtype < 0 || w->element_type() != x->element_type() ||
+      out->element_type() != x->element_type())
+    return fail("x, w and out must share one of bf16, f16, f32");
+  auto xd = x->dimensions();
+  auto wd = w->dimensions();
+  auto od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || od.size() != 2 || xd[1] != wd[0] || od[1] != wd[1])
+    return fail("needs x [M, K], w [K, N] and out [M', N]");
+  const int64_t k = wd[0], n = wd[1];
+  GroupPosition pos;
+  std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
+  if (!err.empty()) return fail(err);
+  const int64_t x_row0 = ((pos.rank + shift) % group_size + group_size) % group_size * block_rows +
+                         piece_row0;
+  if (rows <= 0 || x_row0 + rows > xd[0] || out_row0 < 0 || out_row0 + rows > od[0])
+    return fail("rows out of range");
+  const void* c = nullptr;
+  if (has_c) {
+    auto cb = args.get<ffi::AnyBuffer>(2);
+    if (cb.has_error()) return fail("needs c");
+    auto cdims = cb->dimensions();
+    if (cb->element_type() != x->element_type() || cdims.size() != 2 || cdims[0] != rows ||
+        cdims[1] != n)
+      return fail("c must be [rows, N] of x's dtype");
+    c = cb->untyped_data();
+  }
+  if (rows == 0 || n == 0) return ffi::Error::Success();
+  const Lt& lt = GetLt();
+  if (!lt.error.empty()) return ffi::Error(ffi::ErrorCode::kUnavailable, "jax_hoccl rows_matmul: " + lt.error);
+  // The stream's device (XLA's handler thread need not have it current): the workspace and
+  // the heuristic's device properties must be that one's.
+  int cuda_device = -1;
+#if CUDART_VERSION >= 12080
+  if (cudaStreamGetDevice(stream, &cuda_device) != cudaSuccess) return fail("cudaStreamGetDevice");
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess || (current != cuda_device &&
+                                                 cudaSetDevice(cuda_device) != cudaSuccess))
+    return fail("cudaSetDevice");
+#else
+  if (cudaGetDevice(&cuda_device) != cudaSuccess) return fail("cudaGetDevice");
+#endif
+  DeviceLt* dev = nullptr;
+  const Plan* plan = nullptr;
+  err = GetPlan(lt, PlanKey{cuda_device, dtype, static_cast<uint64_t>(rows), static_cast<uint64_t>(k),
+                            static_cast<uint64_t>(n), has_c != 0},
+                &dev, &plan);
+  if (!err.empty()) return ffi::Error::Internal("jax_hoccl rows_matmul: " + err);
+  const size_t elt = ffi::ByteWidth(x->element_type());
+  const char* xp = static_cast<const char*>(x->untyped_data()) + x_row0 * k * elt;
+  char* dp = static_cast<char*>(out->untyped_data()) + out_row0 * n * elt;
+  const float alpha = 1.0f, beta = has_c ? 1.0f : 0.0f;
+  LtStatus s = lt.matmul(dev->handle, plan->desc, &alpha, w->untyped_data(), plan->a, xp, plan->b,
+                         &beta, has_c ? c : dp, plan->cd, dp, plan->cd, &plan->algo,
+                         dev->workspace, kWorkspaceBytes, stream);
+  if (s != 0) return ffi::Error::Internal("jax_hoccl rows_matmul: " + Check(s, "cublasLtMatmul"));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kRowsMatmulCuda, RowsMatmulCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("shift")
+                                  .Attr<int64_t>("block_rows")
+                                  .Attr<int64_t>("piece_row0")
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("out_row0")
+                                  .Attr<int64_t>("has_c"));
+
+}  // namespace hoccl

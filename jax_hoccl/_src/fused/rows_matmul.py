@@ -1,0 +1,80 @@
+"""rows_matmul: out[out_row0 : out_row0 + rows] = x[x_row0 : x_row0 + rows] @ w (+ c), the
+GEMM the fused ops' pipelines are built from; x_row0 = ((rank + shift) % n) * block_rows +
+piece_row0 picks this rank's rows.
+
+On GPU it is one cuBLASLt call (cc/rows_matmul_cuda.cc) that reads x's rows and writes the
+output's rows through pointer offsets: no copy of x's rows, `+ c` (a received partial sum) in
+the GEMM's epilogue instead of a kernel, and the rows written in place into a buffer chained
+from call to call (`into`), so pieces need no concatenate. With XLA's own dot the fused ops
+paid for all three (measured on H200: most of their overhead over the GEMM alone).
+Elsewhere (CPU, and f32 or other dtypes on GPU) it lowers to XLA's dynamic_slice, dot, add
+and dynamic_update_slice: the same values.
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import jax_internals as ji
+from jax_hoccl._src.ffi_targets import ffi_lower
+
+rows_matmul_p = ji.Primitive("hoccl_rows_matmul")
+# f32 stays with XLA's dot: its precision (TF32 or not) is XLA's choice, which a cuBLASLt call
+# of ours would not follow; bf16/f16 accumulate in f32 either way.
+CUBLASLT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
+def _abstract_eval(x, w, *rest, axes, axis_size, shift, block_rows, piece_row0, rows, out_rows,
+                   out_row0, has_c, has_into):
+  vma = set().union(*(ji.varying_axes(a) for a in (x, w, *rest)))
+  if has_into:
+    return ji.with_type(rest[-1], rest[-1].shape, vma)
+  return ji.with_type(x, (out_rows, w.shape[1]), vma)
+
+
+def _reference(x, w, *rest, axes, axis_size, shift, block_rows, piece_row0, rows, out_rows,
+               out_row0, has_c, has_into):
+  r = jax.lax.axis_index(axes[0] if len(axes) == 1 else axes)
+  start = ((r + shift) % axis_size) * block_rows + piece_row0
+  y = jax.lax.dynamic_slice_in_dim(x, start, rows, axis=0) @ w
+  if has_c:
+    y = y + rest[0]
+  if has_into:
+    return jax.lax.dynamic_update_slice_in_dim(rest[-1], y, out_row0, axis=0)
+  return jnp.pad(y, ((out_row0, out_rows - out_row0 - rows), (0, 0)))
+
+
+def _cuda_lowering(ctx, x, w, *rest, axes, axis_size, shift, block_rows, piece_row0, rows,
+                   out_rows, out_row0, has_c, has_into):
+  params = dict(axes=axes, axis_size=axis_size, shift=shift, block_rows=block_rows,
+                piece_row0=piece_row0, rows=rows, out_rows=out_rows, out_row0=out_row0,
+                has_c=has_c, has_into=has_into)
+  if np.dtype(ctx.avals_in[0].dtype) not in CUBLASLT_DTYPES:
+    return ji.lower_fun(_reference, multiple_results=False)(ctx, x, w, *rest, **params)
+  attrs = axes_lib.ffi_group_attrs(ctx, axes, "rows_matmul", 0)
+  del attrs["site"]
+  aliases = {2 + int(has_c): 0} if has_into else {}
+  return ffi_lower("hoccl_rows_matmul", "rows_matmul", ctx, x, w, *rest, **attrs,
+                   shift=np.int64(shift), block_rows=np.int64(block_rows),
+                   piece_row0=np.int64(piece_row0), rows=np.int64(rows),
+                   out_row0=np.int64(out_row0), has_c=np.int64(has_c),
+                   lowering_args=dict(operand_output_aliases=aliases))
+
+
+rows_matmul_p.def_abstract_eval(_abstract_eval)
+ji.register_lowering(rows_matmul_p, ji.lower_fun(_reference, multiple_results=False))
+ji.register_lowering(rows_matmul_p, _cuda_lowering, platform="cuda")
+
+
+def rows_matmul(x, w, axes, n, *, shift, block_rows, piece_row0, rows, c=None, into=None,
+                out_rows=None, out_row0=0):
+  """x [M, K] (2-D), w [K, N]. Returns `into` with rows [out_row0, out_row0 + rows) set (into
+  is donated), or a new [out_rows or rows, N] array with only those rows defined."""
+  rest = tuple(a for a in (c, into) if a is not None)
+  return rows_matmul_p.bind(
+      x, w, *rest, axes=tuple(axes), axis_size=int(n), shift=int(shift) % int(n),
+      block_rows=int(block_rows), piece_row0=int(piece_row0), rows=int(rows),
+      out_rows=int(into.shape[0] if into is not None else (out_rows or rows)),
+      out_row0=int(out_row0), has_c=c is not None, has_into=into is not None)
