@@ -12,6 +12,9 @@ and dynamic_update_slice: the same values.
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -46,6 +49,24 @@ def _reference(x, w, *rest, axes, axis_size, shift, block_rows, piece_row0, rows
   return jnp.pad(y, ((out_row0, out_rows - out_row0 - rows), (0, 0)))
 
 
+@functools.cache
+def _preload_cublaslt() -> None:
+  """cc/rows_matmul_cuda.cc finds cuBLASLt in the process by soname. XLA loads it for its own
+  GEMMs, but a program of ours may run first: load the copy from jax's nvidia wheels (not on
+  the default library path) so that it is there."""
+  import ctypes
+  import glob
+  import site
+  for root in site.getsitepackages() + [site.getusersitepackages()]:
+    for path in sorted(glob.glob(os.path.join(root, "nvidia", "**", "libcublasLt.so.*"),
+                                 recursive=True)):
+      try:
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        return
+      except OSError:
+        continue
+
+
 def _cuda_lowering(ctx, x, w, *rest, axes, axis_size, shift, block_rows, piece_row0, rows,
                    out_rows, out_row0, has_c, has_into):
   params = dict(axes=axes, axis_size=axis_size, shift=shift, block_rows=block_rows,
@@ -53,6 +74,7 @@ def _cuda_lowering(ctx, x, w, *rest, axes, axis_size, shift, block_rows, piece_r
                 has_c=has_c, has_into=has_into)
   if np.dtype(ctx.avals_in[0].dtype) not in CUBLASLT_DTYPES:
     return ji.lower_fun(_reference, multiple_results=False)(ctx, x, w, *rest, **params)
+  _preload_cublaslt()
   attrs = axes_lib.ffi_group_attrs(ctx, axes, "rows_matmul", 0)
   del attrs["site"]
   aliases = {2 + int(has_c): 0} if has_into else {}
