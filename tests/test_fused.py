@@ -428,8 +428,9 @@ def test_ring_structure(op, chunks):
   mesh = MESHES["tp4"]
   n, d = mesh.shape["tp"], mesh.shape["dp"]
   rng = np.random.default_rng(0)
-  x = put(mesh, rand(rng, (d * 4 * n, n * 4), jnp.bfloat16), P("dp", "tp"))
-  w = put(mesh, rand(rng, (n * 4, 2), jnp.bfloat16), P("tp", None))
+  # K and N multiples of 8: rows of 16 bytes, what rows_matmul's cuBLASLt path takes
+  x = put(mesh, rand(rng, (d * 4 * n, n * 8), jnp.bfloat16), P("dp", "tp"))
+  w = put(mesh, rand(rng, (n * 8, 8), jnp.bfloat16), P("tp", None))
   fn = getattr(hc, op)
   out = P("dp", None) if op == "matmul_psum" else P(("dp", "tp"), None)
   sm = jax.jit(jax.shard_map(lambda x, w: fn(x, w, "tp", chunks=chunks), mesh=mesh,
@@ -444,9 +445,9 @@ def test_ring_structure(op, chunks):
       assert text.count("@hoccl_all_gather_into_start(") == pieces
   assert cuda.count("@hoccl_rows_matmul(") == pieces * n
   assert "dynamic_slice" not in cuda and "stablehlo.dot_general" not in cuda
-  assert not re.search(r"stablehlo.add \S+, \S+ : tensor<\d+x2xbf16>", cuda)
+  assert not re.search(r"stablehlo.add \S+, \S+ : tensor<\d+x8xbf16>", cuda)
   dots = set(re.findall(r"(%[\w#]+) = stablehlo.dot_general", cpu))
-  adds = re.findall(r"= stablehlo.add (%[\w#]+), (%[\w#]+) : tensor<\d+x2xbf16>", cpu)
+  adds = re.findall(r"= stablehlo.add (%[\w#]+), (%[\w#]+) : tensor<\d+x8xbf16>", cpu)
   assert len(adds) == pieces * (n - 1) and all(a in dots or b in dots for a, b in adds), adds
   ref = jax.jit(jax.shard_map(
       lambda x, w: (jax.lax.psum(x @ w, "tp") if op == "matmul_psum"

@@ -72,7 +72,9 @@ def _cuda_lowering(ctx, x, w, *rest, axes, axis_size, shift, block_rows, piece_r
   params = dict(axes=axes, axis_size=axis_size, shift=shift, block_rows=block_rows,
                 piece_row0=piece_row0, rows=rows, out_rows=out_rows, out_row0=out_row0,
                 has_c=has_c, has_into=has_into)
-  if np.dtype(ctx.avals_in[0].dtype) not in CUBLASLT_DTYPES:
+  k, n_out = ctx.avals_in[1].shape
+  if np.dtype(ctx.avals_in[0].dtype) not in CUBLASLT_DTYPES or k % 8 or n_out % 8:
+    # (rows of 16-byte multiples keep every offset row aligned for cuBLASLt's kernels)
     return ji.lower_fun(_reference, multiple_results=False)(ctx, x, w, *rest, **params)
   _preload_cublaslt()
   attrs = axes_lib.ffi_group_attrs(ctx, axes, "rows_matmul", 0)
