@@ -28,7 +28,7 @@ def main():
     x = (rng.standard_normal((m, k), dtype=np.float32) * 0.05).astype(jnp.bfloat16)
     w = (rng.standard_normal((k, n), dtype=np.float32) * 0.05).astype(jnp.bfloat16)
     c = (rng.standard_normal((m, n), dtype=np.float32)).astype(jnp.bfloat16)
-    specs = (P(), P(), P())
+    specs = (P("x"), P(), P())  # x varying over the (1-device) axis, as in the fused ops
 
     def ours_pieces(p):
       r = m // p
