@@ -10,6 +10,7 @@ of the same round), and the times are medians over rounds.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -50,7 +51,21 @@ def _paired(mesh, gemm_body, gemm_args, impls, args, in_specs, rounds=ROUNDS):
   """({impl: (ms, ratio)}, gemm ms): the GEMM alone and each impl timed in interleaved
   rounds; ratio = median over rounds of impl / GEMM of the same round."""
   gemm = _compiled(mesh, gemm_body, gemm_args, in_specs)
-  runs = {name: _compiled(mesh, body, args, in_specs) for name, body in impls.items()}
+  runs = {}
+  for name, body in impls.items():
+    env = {}
+    if isinstance(body, tuple):  # (body, environment to lower it under)
+      body, env = body
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+      runs[name] = _compiled(mesh, body, args, in_specs)
+    finally:
+      for k, v in saved.items():
+        if v is None:
+          os.environ.pop(k, None)
+        else:
+          os.environ[k] = v
   g_t, t = [], {name: [] for name in impls}
   for _ in range(rounds):
     g_t.append(gemm())
@@ -110,10 +125,6 @@ def bench_fused(mesh, quick=False):
     record("matmul_reduce_scatter", shape, lambda x, w: x @ w, (x, w), {
         "jax_hoccl.matmul_reduce_scatter":
             lambda x, w: jax_hoccl.matmul_reduce_scatter(x, w, "x"),
-        **({} if quick else {
-            f"jax_hoccl.matmul_reduce_scatter chunks={c}":
-            (lambda x, w, c=c: jax_hoccl.matmul_reduce_scatter(x, w, "x", chunks=c))
-            for c in (1, 2, 4)}),
         "jax.lax matmul+psum_scatter": lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True),
     }, (x, w), specs)
     # matmul_psum's default piece schedule, then other schedules for comparison (the rows of
@@ -126,6 +137,9 @@ def bench_fused(mesh, quick=False):
         **{f"jax_hoccl.matmul_psum chunks={name}":
            (lambda x, w, c=c: jax_hoccl.matmul_psum(x, w, "x", chunks=c))
            for name, c in sweep.items()},
+        **({} if quick else {"jax_hoccl.matmul_psum chunks=2 JAX_HOCCL_CUBLASLT=1": (
+            lambda x, w: jax_hoccl.matmul_psum(x, w, "x", chunks=2),
+            {"JAX_HOCCL_CUBLASLT": "1"})}),
         "jax.lax matmul+psum": lambda x, w: jax.lax.psum(x @ w, "x"),
     }, (x, w), specs)
 

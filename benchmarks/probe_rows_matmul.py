@@ -20,6 +20,7 @@ from jax_hoccl._src.fused.rows_matmul import rows_matmul  # noqa: E402
 
 
 def main():
+  os.environ["JAX_HOCCL_CUBLASLT"] = "1"
   mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
   rng = np.random.default_rng(0)
   quick = "--quick" in sys.argv  # tiny shapes: checks the script itself (CPU)

@@ -109,17 +109,13 @@ def case_agmm(mesh, dtype, rng, replicated_w=False):
   return (x, w), (x.sharding.spec, w.sharding.spec), out, ours, lax
 
 
-def case_mmrs(mesh, dtype, rng, chunk_list=(None, 3, (1, 2))):
-  """3 rows per rank block: one piece, equal pieces and uneven pieces in one program."""
+def case_mmrs(mesh, dtype, rng):
   n, d = mesh.shape["tp"], mesh.shape["dp"]
-  x = put(mesh, rand(rng, (n * 3, d, n * 4), dtype), P(None, "dp", "tp"))  # local [3n, 1, 4]
+  x = put(mesh, rand(rng, (n * 2, d, n * 4), dtype), P(None, "dp", "tp"))  # local [2n, 1, 4]
   w = put(mesh, rand(rng, (n * 4, 3), dtype), P("tp", None))  # local [4, 3]
-  ours = lambda x, w: {f"chunks={c}": hc.matmul_reduce_scatter(x, w, "tp", chunks=c)
-                       for c in chunk_list}
-  lax = lambda x, w: {f"chunks={c}": jax.lax.psum_scatter(x @ w, "tp", tiled=True)
-                      for c in chunk_list}
-  return ((x, w), (x.sharding.spec, w.sharding.spec),
-          {f"chunks={c}": P("tp", "dp", None) for c in chunk_list}, ours, lax)
+  ours = lambda x, w: {"out": hc.matmul_reduce_scatter(x, w, "tp")}
+  lax = lambda x, w: {"out": jax.lax.psum_scatter(x @ w, "tp", tiled=True)}
+  return (x, w), (x.sharding.spec, w.sharding.spec), P("tp", "dp", None), ours, lax
 
 
 def case_mmps(mesh, dtype, rng, chunk_list=(None, 1, 2, 4, (2, 1, 1))):
@@ -415,42 +411,40 @@ def test_lowers_to_hoccl_only(case, check_vma):
 # The ring's structure: GEMMs do the sums, copy engines assemble the output
 # ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("op,chunks", [("matmul_psum", 2), ("matmul_psum", (2, 1, 1)),
-                                       ("matmul_reduce_scatter", 2),
-                                       ("matmul_reduce_scatter", (1, 3))])
-def test_ring_structure(op, chunks):
-  """The ring's program, lowered for CPU and (cross-platform, no GPU needed) for CUDA:
-  (n-1) ppermute starts per piece and n GEMMs per piece; on CUDA every GEMM is a
-  hoccl_rows_matmul (x's rows read in place, the received partial added in the epilogue,
-  matmul_reduce_scatter's output written in place), so no dynamic_slice, add or concatenate
-  is left; on CPU every add takes a dot's result; matmul_psum assembles its output with
-  all_gather_into. The values equal jax.lax on CPU."""
+@pytest.mark.parametrize("cublaslt", [False, True])
+@pytest.mark.parametrize("chunks", [2, (2, 1, 1)])
+def test_ring_structure(chunks, cublaslt, monkeypatch):
+  """matmul_psum's program, lowered for CPU and (cross-platform, no GPU needed) for CUDA:
+  (n-1) ppermute starts and n GEMMs per piece, every add taking a dot's result, the output
+  assembled by all_gather_into (no concatenate). With JAX_HOCCL_CUBLASLT=1 every CUDA GEMM
+  is a hoccl_rows_matmul (x's rows read in place, the received partial added in the epilogue)
+  and no dynamic_slice, dot or add is left; without it they are XLA's. Values equal jax.lax."""
+  monkeypatch.setenv("JAX_HOCCL_CUBLASLT", "1" if cublaslt else "0")
   mesh = MESHES["tp4"]
   n, d = mesh.shape["tp"], mesh.shape["dp"]
   rng = np.random.default_rng(0)
   # K and N multiples of 8: rows of 16 bytes, what rows_matmul's cuBLASLt path takes
   x = put(mesh, rand(rng, (d * 4 * n, n * 8), jnp.bfloat16), P("dp", "tp"))
   w = put(mesh, rand(rng, (n * 8, 8), jnp.bfloat16), P("tp", None))
-  fn = getattr(hc, op)
-  out = P("dp", None) if op == "matmul_psum" else P(("dp", "tp"), None)
-  sm = jax.jit(jax.shard_map(lambda x, w: fn(x, w, "tp", chunks=chunks), mesh=mesh,
-                             in_specs=(P("dp", "tp"), P("tp", None)), out_specs=out))
+  sm = jax.jit(jax.shard_map(lambda x, w: hc.matmul_psum(x, w, "tp", chunks=chunks), mesh=mesh,
+                             in_specs=(P("dp", "tp"), P("tp", None)), out_specs=P("dp", None)))
   pieces = chunks if isinstance(chunks, int) else len(chunks)
   cpu = sm.lower(x, w).as_text()
   cuda = sm.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+  add = r"= stablehlo.add (%[\w#]+), (%[\w#]+) : tensor<\d+x8xbf16>"
   for text in (cpu, cuda):
     assert text.count("@hoccl_ppermute_start(") == pieces * (n - 1)
+    assert text.count("@hoccl_all_gather_into_start(") == pieces
     assert "stablehlo.concatenate" not in text
-    if op == "matmul_psum":
-      assert text.count("@hoccl_all_gather_into_start(") == pieces
-  assert cuda.count("@hoccl_rows_matmul(") == pieces * n
-  assert "dynamic_slice" not in cuda and "stablehlo.dot_general" not in cuda
-  assert not re.search(r"stablehlo.add \S+, \S+ : tensor<\d+x8xbf16>", cuda)
-  dots = set(re.findall(r"(%[\w#]+) = stablehlo.dot_general", cpu))
-  adds = re.findall(r"= stablehlo.add (%[\w#]+), (%[\w#]+) : tensor<\d+x8xbf16>", cpu)
-  assert len(adds) == pieces * (n - 1) and all(a in dots or b in dots for a, b in adds), adds
-  ref = jax.jit(jax.shard_map(
-      lambda x, w: (jax.lax.psum(x @ w, "tp") if op == "matmul_psum"
-                    else jax.lax.psum_scatter(x @ w, "tp", tiled=True)),
-      mesh=mesh, in_specs=(P("dp", "tp"), P("tp", None)), out_specs=out))(x, w)
-  assert_close(sm(x, w), ref, jnp.bfloat16, name=op)
+  for text in (cpu,) if cublaslt else (cpu, cuda):
+    dots = set(re.findall(r"(%[\w#]+) = stablehlo.dot_general", text))
+    adds = re.findall(add, text)
+    assert len(dots) == pieces * n and "hoccl_rows_matmul" not in text
+    assert len(adds) == pieces * (n - 1) and all(a in dots or b in dots for a, b in adds), adds
+  if cublaslt:
+    assert cuda.count("@hoccl_rows_matmul(") == pieces * n
+    assert not re.search(add, cuda)
+    assert "dynamic_slice" not in cuda and "stablehlo.dot_general" not in cuda
+  ref = jax.jit(jax.shard_map(lambda x, w: jax.lax.psum(x @ w, "tp"), mesh=mesh,
+                              in_specs=(P("dp", "tp"), P("tp", None)), out_specs=P("dp", None)))
+  assert_close(sm(x, w), ref(x, w), jnp.bfloat16, name="matmul_psum")

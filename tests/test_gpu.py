@@ -195,10 +195,6 @@ FUSED = {
     "matmul_psum": (lambda x, w: jax_hoccl.matmul_psum(x, w, "x", chunks=2),
                     lambda x, w: jax.lax.psum(x @ w, "x"),
                     (P(None, "x"), P("x")), P(), (64, 32), (32, 48)),
-    "matmul_reduce_scatter uneven pieces": (
-        lambda x, w: jax_hoccl.matmul_reduce_scatter(x, w, "x", chunks=(4, 8, 16, 4)),
-        lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True),
-        (P(None, "x"), P("x")), P("x"), (64, 32), (32, 48)),
     "matmul_psum uneven pieces": (
         lambda x, w: jax_hoccl.matmul_psum(x, w, "x", chunks=(16, 8, 4, 4)),
         lambda x, w: jax.lax.psum(x @ w, "x"),
@@ -235,22 +231,21 @@ def test_fused_on_gpu(mesh, name):
     np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("cublaslt", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("chunks", [None, 2, (256, 128, 64, 64)])
-@pytest.mark.parametrize("name", ["matmul_psum", "matmul_reduce_scatter"])
-def test_ring_on_gpu(mesh, name, chunks, dtype):
-  """The ring on cuBLASLt (rows_matmul: x's rows read in place, received partials added in
-  the epilogue, output rows written in place), one piece, equal and uneven pieces, in bf16
-  and f16, against jax.lax."""
+@pytest.mark.parametrize("chunks", [2, (256, 128, 64, 64)])
+def test_matmul_psum_ring_on_gpu(mesh, chunks, dtype, cublaslt, monkeypatch):
+  """matmul_psum's ring with equal and uneven pieces in bf16 and f16, its GEMMs XLA's or
+  (JAX_HOCCL_CUBLASLT=1) rows_matmul's cuBLASLt calls, against jax.lax."""
+  monkeypatch.setenv("JAX_HOCCL_CUBLASLT", "1" if cublaslt else "0")
   n = len(GPUS)
   x, w = _rand((1024, 256 * n), dtype, 21), _rand((256 * n, 4096), dtype, 22)
-  ours = lambda x, w: getattr(jax_hoccl, name)(x, w, "x", chunks=chunks)  # noqa: E731
-  ref = ((lambda x, w: jax.lax.psum(x @ w, "x")) if name == "matmul_psum"  # noqa: E731
-         else (lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True)))
-  specs, out = (P(None, "x"), P("x")), (P() if name == "matmul_psum" else P("x"))
+  ours = lambda x, w: jax_hoccl.matmul_psum(x, w, "x", chunks=chunks)  # noqa: E731
+  ref = lambda x, w: jax.lax.psum(x @ w, "x")  # noqa: E731
+  specs = (P(None, "x"), P("x"))
   args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)]
   run = lambda f: np.asarray(jax.jit(jax.shard_map(  # noqa: E731
-      f, mesh=mesh, in_specs=specs, out_specs=out))(*args)).astype(np.float32)
+      f, mesh=mesh, in_specs=specs, out_specs=P()))(*args)).astype(np.float32)
   for _ in range(2):  # a second launch reuses the cached cuBLASLt plans
     a = run(ours)
   b = run(ref)

@@ -24,9 +24,10 @@ pytestmark = pytest.mark.skipif(not GPUS, reason="needs a GPU")
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("k,n", [(256, 512), (40, 24)])
-def test_rows_matmul_matches_xla(dtype, k, n):
+def test_rows_matmul_matches_xla(dtype, k, n, monkeypatch):
   """Out of 96 rows of x: pieces of 16, 32 and 48 rows (block_rows 48: the second block),
   the second and third with a c to add, written into one [96, n] buffer at rows 0, 16, 48."""
+  monkeypatch.setenv("JAX_HOCCL_CUBLASLT", "1")
   mesh = jax.make_mesh((1,), ("x",), devices=GPUS[:1])
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((96, k)), dtype)

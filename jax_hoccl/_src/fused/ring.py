@@ -1,13 +1,12 @@
-"""Reduce-scatter of a matmul's partial products around the ring (matmul_reduce_scatter, and
-matmul_psum's first half).
+"""Reduce-scatter of a matmul's partial products around the ring (matmul_psum's first half).
 
 Row block b of x @ w is summed over the ranks by carrying it around the ring: at step s
 (0..n-1) rank r multiplies its rows of block (r - s - 1) % n, adds the partial sum rank r-1
 sent it, and sends the result on to rank r+1 (copy engines); at step n-1 the block is r's own
 and its sum is complete. Per rank the ring moves (n-1)/n of the output, as a reduce-scatter
 must (gathering every rank's partial and summing would move n-1 times the output). Every
-multiplication is a rows_matmul: on GPU it reads x's rows in place and adds the received
-partial in cuBLASLt's epilogue (beta = 1), so the SMs only multiply.
+multiplication is a rows_matmul (XLA's dot on x's rows plus the received partial; with
+JAX_HOCCL_CUBLASLT=1 one cuBLASLt call that reads the rows in place and adds in its epilogue).
 
 Each block is cut into row pieces and the work runs step by step, piece by piece, (s, p) in
 lexicographic order: a piece's partial sum travels while the SMs multiply the next pieces, and

@@ -2,13 +2,13 @@
 GEMM the fused ops' pipelines are built from; x_row0 = ((rank + shift) % n) * block_rows +
 piece_row0 picks this rank's rows.
 
-On GPU it is one cuBLASLt call (cc/rows_matmul_cuda.cc) that reads x's rows and writes the
-output's rows through pointer offsets: no copy of x's rows, `+ c` (a received partial sum) in
+On GPU, with JAX_HOCCL_CUBLASLT=1, it is one cuBLASLt call (cc/rows_matmul_cuda.cc) that
+reads x's rows and writes the output's rows through pointer offsets: no copy of x's rows, `+ c` (a received partial sum) in
 the GEMM's epilogue instead of a kernel, and the rows written in place into a buffer chained
 from call to call (`into`), so pieces need no concatenate. With XLA's own dot the fused ops
 paid for all three (measured on H200: most of their overhead over the GEMM alone).
-Elsewhere (CPU, and f32 or other dtypes on GPU) it lowers to XLA's dynamic_slice, dot, add
-and dynamic_update_slice: the same values.
+Otherwise (the default; CPU; f32 and other dtypes) it lowers to XLA's dynamic_slice, dot,
+add and dynamic_update_slice: the same values.
 """
 from __future__ import annotations
 
@@ -49,6 +49,14 @@ def _reference(x, w, *rest, axes, axis_size, shift, block_rows, piece_row0, rows
   return jnp.pad(y, ((out_row0, out_rows - out_row0 - rows), (0, 0)))
 
 
+def cublaslt_enabled() -> bool:
+  """Opt-in (JAX_HOCCL_CUBLASLT=1, read when a program is lowered). On one H200 the cuBLASLt
+  path is correct, but its heuristic's GEMM was 10% slower than XLA's autotuned one at
+  M=16384 and the pieces cost 7-12% at M=4096 (benchmarks/probe_rows_matmul.py); it has not
+  been timed inside the fused ops on two GPUs yet, so XLA's dot stays the default."""
+  return os.environ.get("JAX_HOCCL_CUBLASLT", "0") not in ("", "0")
+
+
 @functools.cache
 def _preload_cublaslt() -> None:
   """cc/rows_matmul_cuda.cc finds cuBLASLt in the process by soname. XLA loads it for its own
@@ -73,7 +81,8 @@ def _cuda_lowering(ctx, x, w, *rest, axes, axis_size, shift, block_rows, piece_r
                 piece_row0=piece_row0, rows=rows, out_rows=out_rows, out_row0=out_row0,
                 has_c=has_c, has_into=has_into)
   k, n_out = ctx.avals_in[1].shape
-  if np.dtype(ctx.avals_in[0].dtype) not in CUBLASLT_DTYPES or k % 8 or n_out % 8:
+  if (not cublaslt_enabled() or np.dtype(ctx.avals_in[0].dtype) not in CUBLASLT_DTYPES
+      or k % 8 or n_out % 8):
     # (rows of 16-byte multiples keep every offset row aligned for cuBLASLt's kernels)
     return ji.lower_fun(_reference, multiple_results=False)(ctx, x, w, *rest, **params)
   _preload_cublaslt()
