@@ -430,7 +430,10 @@ def test_ring_structure(chunks, cublaslt, monkeypatch):
                              in_specs=(P("dp", "tp"), P("tp", None)), out_specs=P("dp", None)))
   pieces = chunks if isinstance(chunks, int) else len(chunks)
   cpu = sm.lower(x, w).as_text()
-  cuda = sm.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+  # Lowering for CUDA needs a build with the CUDA engine (pip with nvcc; Bazel's is CPU-only).
+  cuda = sm.trace(x, w).lower(lowering_platforms=("cuda",)).as_text() if hc.with_cuda else cpu
+  if cublaslt and not hc.with_cuda:
+    pytest.skip("this build has no CUDA engine to lower rows_matmul for")
   add = r"= stablehlo.add (%[\w#]+), (%[\w#]+) : tensor<\d+x8xbf16>"
   for text in (cpu, cuda):
     assert text.count("@hoccl_ppermute_start(") == pieces * (n - 1)
@@ -473,7 +476,7 @@ def test_matmul_reduce_scatter_ring_opt_in(mesh_id, dtype, monkeypatch):
       lambda a, b: jnp.sum(jnp.sin(f(a, b).astype(jnp.float32))), argnums=(0, 1)))(x, w)
   for g1, g2 in zip(loss(ours), loss(ref)):
     assert_close(g1, g2, dt, name="mmrs ring grad")
-  if dtype == "bf16":
+  if dtype == "bf16" and hc.with_cuda:  # lowering for CUDA needs the CUDA engine's build
     cuda = jax.jit(ours).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     assert cuda.count("@hoccl_rows_matmul(") == 2 * n  # 2 pieces per block, n steps
     assert cuda.count("@hoccl_ppermute_start(") == 2 * (n - 1)

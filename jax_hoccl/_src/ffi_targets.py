@@ -26,7 +26,7 @@ def ffi_lower(target: str, op: str, ctx, *args, lowering_args=None, **attrs):
   for p in platforms:
     if p not in ("cpu", "cuda"):
       raise NotImplementedError(f"jax_hoccl.{op}: platform {p!r} is not supported (cpu, cuda).")
-    if p == "cuda" and "CUDA" not in TARGETS[target]:
+    if p == "cuda" and "CUDA" not in TARGETS.get(target, ()):
       raise RuntimeError(
           f"jax_hoccl.{op}: this build of jax_hoccl has no CUDA engine (the CUDA toolkit was "
           "not found when it was built). Reinstall with nvcc on PATH.")
