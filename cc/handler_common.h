@@ -30,6 +30,24 @@ inline xla::ffi::Error DecodeOp(OpKind op, int64_t device, size_t in_bytes, size
   return xla::ffi::Error::Success();
 }
 
+// all_gather_into's operands (x[, dst]) and the rows [offset, offset + n * |x|) of `out` it
+// writes, checked against out's size.
+struct IntoRows {
+  xla::ffi::AnyBuffer x;
+  void* dst = nullptr;
+  size_t bytes = 0;
+};
+inline xla::ffi::ErrorOr<IntoRows> DecodeInto(xla::ffi::RemainingArgs args,
+                                               xla::ffi::AnyBuffer out, int64_t group_size,
+                                               int64_t offset) {
+  auto x = args.get<xla::ffi::AnyBuffer>(0);
+  if (x.has_error()) return x.error();
+  size_t bytes = x->size_bytes() * static_cast<size_t>(group_size);
+  if (offset < 0 || static_cast<size_t>(offset) + bytes > out.size_bytes())
+    return xla::ffi::Error::InvalidArgument("jax_hoccl all_gather_into: rows out of the buffer");
+  return IntoRows{*x, static_cast<char*>(out.untyped_data()) + offset, bytes};
+}
+
 }  // namespace hoccl
 
 #endif  // JAX_HOCCL_HANDLER_COMMON_H_

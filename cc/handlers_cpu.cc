@@ -51,13 +51,10 @@ ffi::Error AllGatherIntoStartCpu(int32_t device, ffi::RemainingArgs args,
                                  ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
                                  ffi::Span<const int64_t> groups, int64_t group_size,
                                  int64_t offset, int64_t site) {
-  auto x = args.get<ffi::AnyBuffer>(0);
-  if (x.has_error()) return x.error();
-  size_t bytes = x->size_bytes() * static_cast<size_t>(group_size);
-  if (offset < 0 || static_cast<size_t>(offset) + bytes > out->size_bytes())
-    return ffi::Error::InvalidArgument("jax_hoccl all_gather_into: rows out of the buffer");
-  return RunCpuInto(OpKind::kAllGather, device, *x, static_cast<char*>(out->untyped_data()) + offset,
-                    bytes, groups, group_size, {}, site, false);
+  auto into = DecodeInto(args, *out, group_size, offset);
+  if (into.has_error()) return into.error();
+  return RunCpuInto(OpKind::kAllGather, device, into->x, into->dst, into->bytes, groups,
+                    group_size, {}, site, false);
 }
 ffi::Error AllToAllStartCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::AnyBuffer>, ffi::Span<const int64_t> groups,

@@ -63,20 +63,10 @@ def lowering_for(op: str, ctx, x, **params):
 
 
 def _psum(x, *, axes, local, cross, sizes, **_):
-  from jax_hoccl._src.ops.all_gather import gather_stacked
-  from jax_hoccl._src.ops.psum_scatter import reduce_scatter_stacked
+  from jax_hoccl._src.ops.psum import two_step
   if not local:
     return jax.lax.psum(x, cross)
-  n = _size(local, dict(sizes))
-  flat = x.reshape(-1)
-  size = flat.shape[0]
-  padded = -(-size // n) * n
-  if padded != size:
-    flat = jnp.pad(flat, (0, padded - size))
-  part = reduce_scatter_stacked(flat.reshape(n, padded // n), local, n)
-  part = jax.lax.psum(part, cross)
-  full = gather_stacked(part, local, n, invariant=True).reshape(-1)
-  return full[:size].reshape(x.shape)
+  return two_step(x, local, _size(local, dict(sizes)), across=lambda p: jax.lax.psum(p, cross))
 
 
 def _all_gather(x, *, axes, local, cross, sizes, invariant, **_):

@@ -68,12 +68,21 @@ def _impl(x, *, axes, axis_size, algorithm, site):
     return common.sum_leading(gather_stacked(x, axes, n, invariant=True))
   if algorithm == "pipelined":
     return _pipelined(x, axes, n)
+  return two_step(x, axes, n)
+
+
+def two_step(x, axes, n, across=None):
+  """psum_scatter x's flattened (zero-padded) elements over `axes`, then all_gather them;
+  across(part), when given, sums each rank's 1/n part over more axes in between (the
+  hierarchical psum across processes, ops/across_processes.py)."""
   flat = x.reshape(-1)
   size = flat.shape[0]
   padded = -(-size // n) * n
   if padded != size:
     flat = jnp.pad(flat, (0, padded - size))
   part = reduce_scatter_stacked(flat.reshape(n, padded // n), axes, n)
+  if across is not None:
+    part = across(part)
   full = gather_stacked(part, axes, n, invariant=True).reshape(-1)
   return full[:size].reshape(x.shape)
 
