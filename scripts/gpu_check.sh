@@ -31,7 +31,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -8
 
 if [ "$PHASE" != bench ]; then
 echo "== GPU tests"
-timeout 300 $PY -m pytest tests/test_gpu.py -q -x -p no:cacheprovider 2>&1 | tee "$OUTDIR/gpu_tests.log" | tail -25
+timeout 300 $PY -m pytest tests/test_gpu.py tests/test_gpu_rows_matmul.py -q -x -p no:cacheprovider 2>&1 | tee "$OUTDIR/gpu_tests.log" | tail -25
 SUMMARY+=("gpu tests: $(grep -E '(passed|failed|error)' "$OUTDIR/gpu_tests.log" | tail -1)")
 
 echo "== kernels launched per op (ncu)"
