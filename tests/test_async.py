@@ -522,3 +522,40 @@ def test_all_gather_into_rows_must_fit():
            in_specs=P("x"), out_specs=P("x"))
   with pytest.raises(ValueError, match=r"rows \[8, 24\).*do not fit into \(20, 3\)"):
     jax.jit(f).lower(sds((16, 3)))
+
+
+# ------------------------------------------------------------------------------------------
+# vmap of the async pairs
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("in_axis", [0, 1])
+def test_async_pairs_under_vmap(in_axis):
+  """vmap over a function that starts all_gather, ppermute and all_to_all, computes on the
+  pending inputs, and waits: equal to vmap over jax.lax's collectives, for a batch axis in
+  front of and behind the exchanged one."""
+  n = 8
+  perm = [(i, (i + 3) % n) for i in range(n)]
+  rng = np.random.default_rng(11)
+  x = put(MESH1, rand(rng, (n * 8, 8), jnp.float32))  # local [8, 8]: examples of 8 (n blocks)
+
+  def ours(v):
+    g, p, a = (hc.all_gather_start(v, "x", tiled=True), hc.ppermute_start(v, "x", perm),
+               hc.all_to_all_start(v, "x"))
+    s = (g.input * 2).sum()  # compute while the exchanges are in flight
+    g, s = hc.done(g, s)
+    p, s = hc.done(p, s)
+    a, s = hc.done(a, s)
+    return g + s, p, a
+
+  def lax(v):
+    s = (v * 2).sum()
+    return (jax.lax.all_gather(v, "x", tiled=True) + s, jax.lax.ppermute(v, "x", perm),
+            jax.lax.all_to_all(v, "x", 0, 0, tiled=True))
+
+  specs = dict(in_specs=P("x"), out_specs=(P("x"), P("x"), P("x")))
+  got = smap(MESH1, lambda x: jax.vmap(ours, in_axes=in_axis, out_axes=in_axis)(x), True,
+             **specs)(x)
+  ref = smap(MESH1, lambda x: jax.vmap(lax, in_axes=in_axis, out_axes=in_axis)(x), True,
+             **specs)(x)
+  for a, b in zip(got, ref):
+    np.testing.assert_allclose(to_np(a), to_np(b), rtol=1e-6, atol=1e-6)

@@ -482,3 +482,50 @@ def test_matmul_reduce_scatter_ring_opt_in(mesh_id, dtype, monkeypatch):
     assert cuda.count("@hoccl_ppermute_start(") == 2 * (n - 1)
     for op in ("dynamic_slice", "stablehlo.concatenate", "stablehlo.dot_general"):
       assert op not in cuda, op
+
+
+# ------------------------------------------------------------------------------------------
+# vmap
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_psum",
+                                "matmul_all_to_all", "embedding_all_to_all"])
+def test_fused_under_vmap(op):
+  """Each fused op vmapped over a leading batch of its first operand (ids for the embedding)
+  equals jax.lax's unfused form vmapped the same way."""
+  mesh = MESHES["tp4"]
+  n, B = mesh.shape["tp"], 2
+  rng = np.random.default_rng(9)
+  f32 = jnp.float32
+  if op == "all_gather_matmul":
+    a, b = rand(rng, (B, n * 2, 8), f32), rand(rng, (8, n * 3), f32)
+    specs, out = (P(None, "tp", None), P(None, "tp")), P(None, None, "tp")
+    ours = lambda x, w: hc.all_gather_matmul(x, w, "tp")  # noqa: E731
+    lax = lambda x, w: jax.lax.all_gather(x, "tp", tiled=True) @ w  # noqa: E731
+  elif op == "matmul_reduce_scatter":
+    a, b = rand(rng, (B, n * 2, n * 8), f32), rand(rng, (n * 8, 3), f32)
+    specs, out = (P(None, None, "tp"), P("tp", None)), P(None, "tp", None)
+    ours = lambda x, w: hc.matmul_reduce_scatter(x, w, "tp")  # noqa: E731
+    lax = lambda x, w: jax.lax.psum_scatter(x @ w, "tp", tiled=True)  # noqa: E731
+  elif op == "matmul_psum":
+    a, b = rand(rng, (B, n * 2, n * 8), f32), rand(rng, (n * 8, 8), f32)
+    specs, out = (P(None, None, "tp"), P("tp", None)), P()
+    ours = lambda x, w: hc.matmul_psum(x, w, "tp", chunks=2)  # noqa: E731
+    lax = lambda x, w: jax.lax.psum(x @ w, "tp")  # noqa: E731
+  elif op == "matmul_all_to_all":
+    a, b = rand(rng, (B, n * n, 2, 2, 4), f32), rand(rng, (n * 2, 4, 3), f32)
+    specs, out = (P(None, "tp"), P("tp")), P(None, "tp")
+    ours = lambda x, w: hc.matmul_all_to_all(x, w, "tp")  # noqa: E731
+    lax = lambda x, w: jax.lax.all_to_all(jnp.matmul(x, w), "tp", 0, 0, tiled=True)  # noqa: E731
+  else:
+    b = rng.integers(0, 10, (B, n * n, 2, 3)).astype(np.int32)
+    a = rand(rng, (n * 10, 4), f32)
+    specs, out = (P("tp"), P(None, "tp")), P(None, "tp")
+    ours = lambda t, i: hc.embedding_all_to_all(t, i, "tp")  # noqa: E731
+    lax = lambda t, i: jax.lax.all_to_all(  # noqa: E731
+        jnp.take(t, i, axis=0).sum(-2), "tp", 0, 0, tiled=True)
+  axes = (None, 0) if op == "embedding_all_to_all" else (0, None)
+  args = [put(mesh, v, s) for v, s in zip((a, b), specs)]
+  run = lambda f: jax.jit(jax.shard_map(jax.vmap(f, in_axes=axes), mesh=mesh,  # noqa: E731
+                                        in_specs=specs, out_specs=out))(*args)
+  assert_close(run(ours), run(lax), f32, name=op)

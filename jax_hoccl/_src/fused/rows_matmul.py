@@ -96,7 +96,13 @@ def _cuda_lowering(ctx, x, w, *rest, axes, axis_size, shift, block_rows, piece_r
                    lowering_args=dict(operand_output_aliases=aliases))
 
 
+def _batch(args, dims, **params):
+  # Under vmap the rows of one example are not one range of a 2-D x: XLA's ops per example.
+  return jax.vmap(functools.partial(_reference, **params), in_axes=tuple(dims))(*args), 0
+
+
 rows_matmul_p.def_abstract_eval(_abstract_eval)
+ji.primitive_batchers[rows_matmul_p] = _batch
 ji.register_lowering(rows_matmul_p, ji.lower_fun(_reference, multiple_results=False))
 ji.register_lowering(rows_matmul_p, _cuda_lowering, platform="cuda")
 

@@ -80,8 +80,25 @@ def _into_lowering(ctx, x, *dst, axes, axis_size, shape, row, invariant, site):
                    lowering_args=dict(operand_output_aliases={1: 0}) if dst else None)
 
 
+def _into_batch(args, dims, *, shape, **params):
+  # Rows stay the leading axis and the batch goes right behind it: rows [row, ...) of a
+  # [total, batch, ...] buffer are still one contiguous range.
+  x, *dst = args
+  d, *dst_dims = dims
+  size = x.shape[d]
+  x = jnp.moveaxis(x, d, 1)
+  if dst:
+    buf, bd = dst[0], dst_dims[0]
+    buf = (jnp.broadcast_to(buf[:, None], (buf.shape[0], size, *buf.shape[1:])) if bd is None
+           else jnp.moveaxis(buf, bd, 1))
+    dst = [buf]
+  out, token = into_start_p.bind(x, *dst, shape=(shape[0], size, *shape[1:]), **params)
+  return [out, token], [1, ji.not_mapped]
+
+
 into_start_p.def_abstract_eval(_into_abstract_eval)
 ji.register_lowering(into_start_p, _into_lowering)
+ji.primitive_batchers[into_start_p] = _into_batch
 
 
 # done's operands: (buf, x, *deps, *after) -> (buf, *deps). deps come back aliased (the
@@ -106,10 +123,30 @@ def _done_lowering(ctx, *args, site, wait_only, n_after):
                    lowering_args=dict(operand_output_aliases=aliases))
 
 
+# vmap: the exchange is the same per example, so the batch axis rides along: all_gather's
+# result gains a leading stacked axis (batch axis + 1); all_to_all's leading axis must stay
+# the n blocks (the batch axis moves behind it); done's results alias its operands.
+def _start_batch(args, dims, *, op, **params):
+  (x,), (d,) = args, dims
+  if op == "all_to_all" and d == 0:
+    x, d = jnp.moveaxis(x, 0, 1), 1
+  out, token = start_p.bind(x, op=op, **params)
+  return [out, token], [d + 1 if op == "all_gather" else d, ji.not_mapped]
+
+
+def _done_batch(args, dims, *, site, wait_only, n_after):
+  outs = done_p.bind(*args, site=site, wait_only=wait_only, n_after=n_after)
+  if wait_only:
+    return outs, [ji.not_mapped]
+  return outs, [dims[0], *dims[2:len(args) - n_after]]
+
+
 start_p.def_abstract_eval(_start_abstract_eval)
 ji.register_lowering(start_p, _start_lowering)
+ji.primitive_batchers[start_p] = _start_batch
 done_p.def_abstract_eval(_done_abstract_eval)
 ji.register_lowering(done_p, _done_lowering)
+ji.primitive_batchers[done_p] = _done_batch
 
 
 @jax.tree_util.register_pytree_node_class
