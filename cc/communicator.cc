@@ -2,8 +2,11 @@
 
 #include <cstdlib>
 #include <cstdio>
+#include <thread>
 
 namespace hoccl {
+
+static void StartWatchdog();
 
 double TimeoutSeconds() {
   const char* v = std::getenv("JAX_HOCCL_TIMEOUT_S");
@@ -193,6 +196,93 @@ void Communicator::Leave(uint64_t seq, int rank) {
   if (++it->second.left == size()) slots_.erase(it);
 }
 
+void Communicator::ArriveAsync(uint64_t seq, int rank, const char* op, const void* input,
+                               void* output, Completion done, const RunAll& run) {
+  StartWatchdog();
+  AsyncSlot ready;
+  std::string broken;
+  bool last = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!broken_.empty()) {
+      broken = broken_;
+    } else {
+      const int n = size();
+      auto [it, fresh] = async_slots_.try_emplace(seq);
+      AsyncSlot& s = it->second;
+      if (fresh) {
+        s.inputs.assign(n, nullptr);
+        s.outputs.assign(n, nullptr);
+        s.arrived.assign(n, 0);
+        s.done.resize(n);
+        s.op = op;
+        s.since = std::chrono::steady_clock::now();
+      }
+      s.inputs[rank] = input;
+      s.outputs[rank] = output;
+      s.arrived[rank] = 1;
+      s.done[rank] = std::move(done);
+      if (++s.count == n) {
+        ready = std::move(s);
+        async_slots_.erase(it);
+        last = true;
+      }
+    }
+  }
+  // Outside the lock: completions may run XLA's next thunks on this thread, which may arrive
+  // here again.
+  if (!broken.empty()) {
+    done(broken);
+    return;
+  }
+  if (!last) return;
+  const std::string err = run(ready.inputs, ready.outputs);
+  // XLA:CPU continues a device's program inside its completion: each peer's on a thread of
+  // its own (two devices' continuations on one thread deadlock as soon as one blocks, e.g.
+  // in XLA's own collectives), mine here.
+  for (int r = 0; r < size(); ++r)
+    if (r != rank) std::thread([c = std::move(ready.done[r]), err] { c(err); }).detach();
+  ready.done[rank](err);
+}
+
+void Communicator::ExpireAsync() {
+  std::vector<std::pair<Completion, std::string>> failed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto now = std::chrono::steady_clock::now();
+    const auto timeout =
+        std::chrono::microseconds(static_cast<int64_t>(TimeoutSeconds() * 1e6));
+    for (auto it = async_slots_.begin(); it != async_slots_.end();) {
+      AsyncSlot& s = it->second;
+      if (broken_.empty() && now - s.since < timeout) {
+        ++it;
+        continue;
+      }
+      std::string missing;
+      for (int p = 0; p < size(); ++p)
+        if (!s.arrived[p]) missing += " " + Describe(p) + ";";
+      for (int r = 0; r < size(); ++r) {
+        if (!s.arrived[r]) continue;
+        std::string msg = broken_;
+        if (msg.empty() || now - s.since >= timeout) {
+          msg = std::string("jax_hoccl ") + s.op + ": " + Describe(r) + " of group [" + key_ +
+                "] timed out after " + Seconds(TimeoutSeconds()) +
+                " s (JAX_HOCCL_TIMEOUT_S) at call #" + std::to_string(it->first) +
+                " waiting for missing peer(s):" + missing +
+                " every peer must call the same collectives in the same order. This"
+                " communicator is now unusable; restart the process.";
+          if (broken_.empty()) broken_ = msg;
+        }
+        failed.emplace_back(std::move(s.done[r]), msg);
+      }
+      it = async_slots_.erase(it);
+    }
+  }
+  cv_.notify_all();
+  for (auto& [done, msg] : failed)
+    std::thread([c = std::move(done), m = std::move(msg)] { c(m); }).detach();
+}
+
 static std::mutex g_registry_mu;
 static std::map<std::string, std::unique_ptr<Communicator>>& Registry() {
   static auto* r = new std::map<std::string, std::unique_ptr<Communicator>>();
@@ -214,9 +304,28 @@ size_t LiveSlotCount() {
   size_t total = 0;
   for (auto& [key, comm] : Registry()) {
     std::lock_guard<std::mutex> l(comm->mu_);
-    total += comm->slots_.size();
+    total += comm->slots_.size() + comm->async_slots_.size();
   }
   return total;
+}
+
+// One thread for the process, started by the first async rendezvous: every 50 ms it lets
+// each communicator fail the rendezvous that waited too long.
+static void StartWatchdog() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::thread([] {
+      for (;;) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        std::vector<Communicator*> comms;
+        {
+          std::lock_guard<std::mutex> lock(g_registry_mu);
+          for (auto& [key, comm] : Registry()) comms.push_back(comm.get());
+        }
+        for (Communicator* c : comms) c->ExpireAsync();  // communicators live for the process
+      }
+    }).detach();
+  });
 }
 
 }  // namespace hoccl

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -36,10 +37,10 @@ class Communicator {
   // values: they grow monotonically per communicator, and every rank's GPU program issues the
   // collectives in one order (XLA:GPU runs its thunks in schedule order).
   uint64_t NextSeq(int rank);
-  // The rendezvous key of `rank`'s next call from call site `site` (an id the Python lowering
-  // gives every collective it emits). XLA:CPU may run independent ops concurrently and in a
-  // different order on each device, so the CPU engine pairs calls by (site, n-th call from
-  // that site) instead of by global order, as XLA's own CPU collectives key by op id.
+  // The rendezvous key of `rank`'s next call from `site`: the CPU engine passes the key of
+  // the calling instruction (handlers_cpu.cc). XLA:CPU may run independent ops concurrently
+  // and in a different order on each device, so calls pair by (instruction, n-th call of it)
+  // instead of by global order, as XLA's own CPU collectives key by op id.
   uint64_t NextSeqAt(int rank, int64_t site);
 
   // Publish my buffers for `seq`; marks me arrived (= ready for every reader).
@@ -66,6 +67,21 @@ class Communicator {
   // Error text if an earlier timeout broke this communicator, else "".
   std::string Broken();
 
+  // The CPU engine's rendezvous, which blocks no thread: XLA:CPU runs every device's thunks
+  // on one shared pool, and handlers that block waiting for peers can take all its threads
+  // while the peers' matching calls wait for one (a deadlock seen once calls were paired per
+  // instruction). Each rank deposits its buffers and a completion; the last to arrive calls
+  // `run` on its own thread with every rank's buffers, then every completion with run's error
+  // ("" on success). A watchdog thread fails a rendezvous still missing ranks after
+  // JAX_HOCCL_TIMEOUT_S (the message names the op, each waiting rank and the missing ones)
+  // and breaks the communicator; calls on a broken communicator complete with its error.
+  using Completion = std::function<void(const std::string& error)>;
+  using RunAll = std::function<std::string(const std::vector<const void*>& inputs,
+                                           const std::vector<void*>& outputs)>;
+  void ArriveAsync(uint64_t seq, int rank, const char* op, const void* input, void* output,
+                   Completion done, const RunAll& run);
+  void ExpireAsync();  // the watchdog's check
+
   // One-time setup exchange of one pointer per rank (e.g. the address of each rank's device
   // flag array): publish `value` for `rank` under `name`, then wait until every rank has
   // published under that name and fill `all` (indexed by rank). Times out like WaitArrived.
@@ -81,6 +97,15 @@ class Communicator {
     std::vector<char> done;  // done[owner * n + reader]
     int left = 0;
   };
+  struct AsyncSlot {
+    std::vector<const void*> inputs;
+    std::vector<void*> outputs;
+    std::vector<char> arrived;
+    std::vector<Completion> done;
+    int count = 0;
+    const char* op = "";
+    std::chrono::steady_clock::time_point since;
+  };
   Slot& SlotFor(uint64_t seq);  // requires mu_
   std::string Fail(const std::string& msg);  // requires mu_
   std::string Describe(int rank) const;
@@ -92,6 +117,7 @@ class Communicator {
   std::vector<uint64_t> next_seq_;
   std::map<std::pair<int64_t, int>, uint64_t> next_at_site_;  // (site, rank) -> count
   std::map<uint64_t, Slot> slots_;
+  std::map<uint64_t, AsyncSlot> async_slots_;
   struct SetupEntry {
     std::vector<void*> values;
     std::vector<char> published;

@@ -1,20 +1,20 @@
-// The CPU executor: runs one rank's plan with memcpy, using the communicator's host
-// rendezvous for the ready/done handshakes. Every device of an XLA:CPU launch runs its
-// handler on its own thread, so blocking waits here are safe (DESIGN.md).
+// The CPU executor: once every rank of a collective has arrived (Communicator::ArriveAsync),
+// the last one runs each rank's plan with memcpy, reading peers' inputs straight from
+// XLA's buffers. No thread waits for another (XLA:CPU shares one pool between devices).
 #ifndef JAX_HOCCL_CPU_EXECUTOR_H_
 #define JAX_HOCCL_CPU_EXECUTOR_H_
 
 #include <string>
+#include <vector>
 
-#include "communicator.h"
 #include "plan.h"
 
 namespace hoccl {
 
-// Executes `spec` for spec.rank on `comm`; `site` identifies the call site (see
-// Communicator::NextSeqAt). Returns "" or an error message.
-std::string RunOnCpu(Communicator& comm, const OpSpec& spec, int64_t site, const void* input,
-                     void* output);
+// Runs the copies of `spec` (its rank field ignored) for every rank r, from inputs[*] into
+// outputs[r]. Returns "" or an error message.
+std::string RunAllRanks(const OpSpec& spec, const std::vector<const void*>& inputs,
+                        const std::vector<void*>& outputs);
 
 }  // namespace hoccl
 

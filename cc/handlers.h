@@ -8,9 +8,19 @@
 #ifndef JAX_HOCCL_HANDLERS_H_
 #define JAX_HOCCL_HANDLERS_H_
 
+#include <cstdint>
+
 #include "xla/ffi/api/c_api.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace hoccl {
+
+// The CPU handlers' per-instruction state (handlers_cpu.cc): `key` names the custom-call
+// instruction, the same on every device of the executable.
+struct CpuCall {
+  static xla::ffi::TypeId id;
+  int64_t key = 0;
+};
 
 extern "C" {
 XLA_FFI_Error* kAllGatherCpu(XLA_FFI_CallFrame* call_frame);
@@ -21,6 +31,7 @@ XLA_FFI_Error* kAllGatherIntoStartCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllStartCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteStartCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kDoneCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kInstantiateCpuCall(XLA_FFI_CallFrame* call_frame);
 #ifdef JAX_HOCCL_WITH_CUDA
 XLA_FFI_Error* kAllGatherCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllCuda(XLA_FFI_CallFrame* call_frame);

@@ -1,7 +1,12 @@
 // XLA FFI handlers for platform "cpu": decode buffers and attributes, find this device's
-// group and rank, run the plan with the CPU executor. The CUDA handlers (handlers_cuda.cc)
-// take the same attributes, so the Python lowering is identical for both platforms.
+// group and rank, and meet the peers in the communicator's rendezvous; the last rank to
+// arrive runs every rank's copies (cpu_executor.h). The handlers are asynchronous (they
+// return an ffi::Future), so no thread of XLA:CPU's shared pool waits for a peer. The CUDA
+// handlers (handlers_cuda.cc) take the same attributes, so the Python lowering is identical.
+#include <atomic>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "communicator.h"
@@ -14,75 +19,119 @@
 namespace ffi = xla::ffi;
 
 namespace hoccl {
+
+// XLA:CPU runs independent thunks concurrently, in a different order on each device, so calls
+// are paired by the instruction that makes them (and the n-th execution of it), not by
+// arrival order. The FFI's instantiate stage gives every custom-call instruction of an
+// executable one state object, shared by all its devices: its key names the instruction.
+// (The lowering's `site` attribute cannot: an inner jit called several times is lowered
+// once, so its instructions share a site.)
+ffi::TypeId CpuCall::id = {};
+
 namespace {
 
-ffi::Error RunCpuInto(OpKind op, int64_t device, ffi::AnyBuffer x, void* out_data,
-                      size_t out_bytes, ffi::Span<const int64_t> groups, int64_t group_size,
-                      ffi::Span<const int64_t> permute_dst, int64_t site, bool peers_only) {
+std::atomic<int64_t> g_next_call_key{1};
+
+ffi::ErrorOr<std::unique_ptr<CpuCall>> InstantiateCpuCall(ffi::Dictionary /*attrs*/) {
+  auto call = std::make_unique<CpuCall>();
+  call->key = g_next_call_key.fetch_add(1);
+  return call;
+}
+
+ffi::Future Failed(ffi::Error error) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  promise.SetError(std::move(error));
+  return future;
+}
+
+ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, ffi::AnyBuffer x,
+                   void* out_data, size_t out_bytes, ffi::Span<const int64_t> groups,
+                   int64_t group_size, ffi::Span<const int64_t> permute_dst,
+                   bool peers_only = false) {
   OpSpec spec;
   std::vector<int64_t> ids;
   ffi::Error decoded = DecodeOp(op, device, x.size_bytes(), out_bytes, groups, group_size,
                                 permute_dst, peers_only, &spec, &ids);
-  if (!decoded.success()) return decoded;
+  if (!decoded.success()) return Failed(std::move(decoded));
+  std::string err = ValidateSpec(spec);
+  if (!err.empty())
+    return Failed(ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) + ": " + err));
   Communicator& comm = GetCommunicator("cpu", ids);
-  std::string err = RunOnCpu(comm, spec, site, x.untyped_data(), out_data);
-  if (!err.empty()) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, err);
-  return ffi::Error::Success();
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  comm.ArriveAsync(
+      comm.NextSeqAt(spec.rank, call->key), spec.rank, OpName(op), x.untyped_data(), out_data,
+      [promise](const std::string& error) mutable {
+        if (error.empty()) {
+          promise.SetAvailable();
+        } else {
+          promise.SetError(ffi::Error(ffi::ErrorCode::kDeadlineExceeded, error));
+        }
+      },
+      [spec](const std::vector<const void*>& inputs, const std::vector<void*>& outputs) {
+        return RunAllRanks(spec, inputs, outputs);
+      });
+  return future;
 }
 
-ffi::Error RunCpu(OpKind op, int64_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
-                  ffi::Span<const int64_t> groups, int64_t group_size,
-                  ffi::Span<const int64_t> permute_dst, int64_t site, bool peers_only = false) {
-  return RunCpuInto(op, device, x, out->untyped_data(), out->size_bytes(), groups, group_size,
-                    permute_dst, site, peers_only);
-}
-
-// Async pairs on CPU: the host engine has no streams to overlap with, so `start` runs the
-// whole op and `done` has nothing left to wait for. Output 1 of start is an ordering token
-// nobody reads, and done's outputs alias its inputs (set in the lowering), so neither copies.
-ffi::Error AllGatherStartCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
-                             ffi::Result<ffi::AnyBuffer>, ffi::Span<const int64_t> groups,
-                             int64_t group_size, int64_t peers_only, int64_t site) {
-  return RunCpu(OpKind::kAllGather, device, x, out, groups, group_size, {}, site, peers_only != 0);
+// Async pairs on CPU: there are no streams to overlap with, so `start` runs the whole op and
+// `done` has nothing left to wait for. Output 1 of start is an ordering token nobody reads,
+// and done's outputs alias its inputs (set in the lowering), so neither copies.
+ffi::Future AllGatherStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
+                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
+                              ffi::Span<const int64_t> groups, int64_t group_size,
+                              int64_t peers_only, int64_t /*site*/) {
+  return RunCpu(OpKind::kAllGather, device, call, x, out->untyped_data(), out->size_bytes(),
+                groups, group_size, {}, peers_only != 0);
 }
 // all_gather into rows [offset, ...) of a larger buffer: args (x[, dst]), the output aliasing
 // dst when given (handlers_cuda.cc says more).
-ffi::Error AllGatherIntoStartCpu(int32_t device, ffi::RemainingArgs args,
-                                 ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
-                                 ffi::Span<const int64_t> groups, int64_t group_size,
-                                 int64_t offset, int64_t site) {
+ffi::Future AllGatherIntoStartCpu(int32_t device, CpuCall* call, ffi::RemainingArgs args,
+                                  ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
+                                  ffi::Span<const int64_t> groups, int64_t group_size,
+                                  int64_t offset, int64_t /*site*/) {
   auto into = DecodeInto(args, *out, group_size, offset);
-  if (into.has_error()) return into.error();
-  return RunCpuInto(OpKind::kAllGather, device, into->x, into->dst, into->bytes, groups,
-                    group_size, {}, site, false);
+  if (into.has_error()) return Failed(into.error());
+  return RunCpu(OpKind::kAllGather, device, call, into->x, into->dst, into->bytes, groups,
+                group_size, {});
 }
-ffi::Error AllToAllStartCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::AnyBuffer>, ffi::Span<const int64_t> groups,
-                            int64_t group_size, int64_t site) {
-  return RunCpu(OpKind::kAllToAll, device, x, out, groups, group_size, {}, site);
+ffi::Future AllToAllStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
+                             ffi::Span<const int64_t> groups, int64_t group_size,
+                             int64_t /*site*/) {
+  return RunCpu(OpKind::kAllToAll, device, call, x, out->untyped_data(), out->size_bytes(),
+                groups, group_size, {});
 }
-ffi::Error PermuteStartCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
-                           ffi::Result<ffi::AnyBuffer>, ffi::Span<const int64_t> groups,
-                           int64_t group_size, ffi::Span<const int64_t> permute_dst,
-                           int64_t site) {
-  return RunCpu(OpKind::kPermute, device, x, out, groups, group_size, permute_dst, site);
+ffi::Future PermuteStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
+                            ffi::Span<const int64_t> groups, int64_t group_size,
+                            ffi::Span<const int64_t> permute_dst, int64_t /*site*/) {
+  return RunCpu(OpKind::kPermute, device, call, x, out->untyped_data(), out->size_bytes(),
+                groups, group_size, permute_dst);
 }
 ffi::Error DoneCpu(ffi::RemainingArgs, ffi::RemainingRets, int64_t /*site of the start*/) {
   return ffi::Error::Success();
 }
 
-ffi::Error AllGatherCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Span<const int64_t> groups, int64_t group_size, int64_t site) {
-  return RunCpu(OpKind::kAllGather, device, x, out, groups, group_size, {}, site);
+ffi::Future AllGatherCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
+                         ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
+                         int64_t group_size, int64_t /*site*/) {
+  return RunCpu(OpKind::kAllGather, device, call, x, out->untyped_data(), out->size_bytes(),
+                groups, group_size, {});
 }
-ffi::Error AllToAllCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::Span<const int64_t> groups, int64_t group_size, int64_t site) {
-  return RunCpu(OpKind::kAllToAll, device, x, out, groups, group_size, {}, site);
+ffi::Future AllToAllCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
+                        int64_t group_size, int64_t /*site*/) {
+  return RunCpu(OpKind::kAllToAll, device, call, x, out->untyped_data(), out->size_bytes(),
+                groups, group_size, {});
 }
-ffi::Error PermuteCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
-                      ffi::Span<const int64_t> groups, int64_t group_size,
-                      ffi::Span<const int64_t> permute_dst, int64_t site) {
-  return RunCpu(OpKind::kPermute, device, x, out, groups, group_size, permute_dst, site);
+ffi::Future PermuteCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
+                       int64_t group_size, ffi::Span<const int64_t> permute_dst,
+                       int64_t /*site*/) {
+  return RunCpu(OpKind::kPermute, device, call, x, out->untyped_data(), out->size_bytes(),
+                groups, group_size, permute_dst);
 }
 
 }  // namespace
@@ -90,6 +139,7 @@ ffi::Error PermuteCpu(int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuff
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCpu, AllGatherStartCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<CpuCall>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
@@ -100,6 +150,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCpu, AllGatherStartCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherIntoStartCpu, AllGatherIntoStartCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<CpuCall>>()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
@@ -110,6 +161,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherIntoStartCpu, AllGatherIntoStartCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCpu, AllToAllStartCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<CpuCall>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
@@ -119,6 +171,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCpu, AllToAllStartCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCpu, PermuteStartCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<CpuCall>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
@@ -126,6 +179,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCpu, PermuteStartCpu,
                                   .Attr<int64_t>("group_size")
                                   .Attr<ffi::Span<const int64_t>>("permute_dst")
                                   .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kInstantiateCpuCall, InstantiateCpuCall,
+                              ffi::Ffi::BindInstantiate().Attrs());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kDoneCpu, DoneCpu,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attr<int64_t>(
                                   "site"));
@@ -133,6 +188,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kDoneCpu, DoneCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherCpu, AllGatherCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<CpuCall>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
@@ -141,6 +197,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherCpu, AllGatherCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllCpu, AllToAllCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<CpuCall>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
@@ -149,6 +206,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllCpu, AllToAllCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteCpu, PermuteCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<CpuCall>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")

@@ -20,6 +20,24 @@ nb::capsule Capsule(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
+// A CPU handler with per-instruction state: its instantiate and execute stages.
+template <typename T>
+nb::dict CpuStaged(T* execute) {
+  nb::dict stages;
+  stages["instantiate"] = Capsule(hoccl::kInstantiateCpuCall);
+  stages["execute"] = Capsule(execute);
+  return stages;
+}
+
+// The state type the CPU handlers use; XLA needs it registered before those handlers.
+nb::dict CpuCallType() {
+  static XLA_FFI_TypeInfo info = xla::ffi::MakeTypeInfo<hoccl::CpuCall>();
+  nb::dict d;
+  d["type_id"] = nb::capsule(reinterpret_cast<void*>(&hoccl::CpuCall::id));
+  d["type_info"] = nb::capsule(reinterpret_cast<void*>(&info));
+  return d;
+}
+
 nb::dict Registrations() {
   nb::dict d;
   auto add = [&](const char* name, nb::object cpu, nb::object cuda) {
@@ -29,29 +47,29 @@ nb::dict Registrations() {
     d[name] = per_platform;
   };
 #ifdef JAX_HOCCL_WITH_CUDA
-  add("hoccl_all_gather", Capsule(hoccl::kAllGatherCpu), Capsule(hoccl::kAllGatherCuda));
-  add("hoccl_all_to_all", Capsule(hoccl::kAllToAllCpu), Capsule(hoccl::kAllToAllCuda));
-  add("hoccl_ppermute", Capsule(hoccl::kPermuteCpu), Capsule(hoccl::kPermuteCuda));
+  add("hoccl_all_gather", CpuStaged(hoccl::kAllGatherCpu), Capsule(hoccl::kAllGatherCuda));
+  add("hoccl_all_to_all", CpuStaged(hoccl::kAllToAllCpu), Capsule(hoccl::kAllToAllCuda));
+  add("hoccl_ppermute", CpuStaged(hoccl::kPermuteCpu), Capsule(hoccl::kPermuteCuda));
 #else
-  add("hoccl_all_gather", Capsule(hoccl::kAllGatherCpu), nb::none());
-  add("hoccl_all_to_all", Capsule(hoccl::kAllToAllCpu), nb::none());
-  add("hoccl_ppermute", Capsule(hoccl::kPermuteCpu), nb::none());
+  add("hoccl_all_gather", CpuStaged(hoccl::kAllGatherCpu), nb::none());
+  add("hoccl_all_to_all", CpuStaged(hoccl::kAllToAllCpu), nb::none());
+  add("hoccl_ppermute", CpuStaged(hoccl::kPermuteCpu), nb::none());
 #endif
   // Async pairs.
 #ifdef JAX_HOCCL_WITH_CUDA
-  add("hoccl_all_gather_start", Capsule(hoccl::kAllGatherStartCpu), Capsule(hoccl::kAllGatherStartCuda));
-  add("hoccl_all_gather_into_start", Capsule(hoccl::kAllGatherIntoStartCpu),
+  add("hoccl_all_gather_start", CpuStaged(hoccl::kAllGatherStartCpu), Capsule(hoccl::kAllGatherStartCuda));
+  add("hoccl_all_gather_into_start", CpuStaged(hoccl::kAllGatherIntoStartCpu),
       Capsule(hoccl::kAllGatherIntoStartCuda));
-  add("hoccl_all_to_all_start", Capsule(hoccl::kAllToAllStartCpu), Capsule(hoccl::kAllToAllStartCuda));
-  add("hoccl_ppermute_start", Capsule(hoccl::kPermuteStartCpu), Capsule(hoccl::kPermuteStartCuda));
+  add("hoccl_all_to_all_start", CpuStaged(hoccl::kAllToAllStartCpu), Capsule(hoccl::kAllToAllStartCuda));
+  add("hoccl_ppermute_start", CpuStaged(hoccl::kPermuteStartCpu), Capsule(hoccl::kPermuteStartCuda));
   add("hoccl_done", Capsule(hoccl::kDoneCpu), Capsule(hoccl::kDoneCuda));
   // GEMM on row ranges (fused ops); on CPU the lowering is XLA's own dot instead.
   add("hoccl_rows_matmul", nb::none(), Capsule(hoccl::kRowsMatmulCuda));
 #else
-  add("hoccl_all_gather_start", Capsule(hoccl::kAllGatherStartCpu), nb::none());
-  add("hoccl_all_gather_into_start", Capsule(hoccl::kAllGatherIntoStartCpu), nb::none());
-  add("hoccl_all_to_all_start", Capsule(hoccl::kAllToAllStartCpu), nb::none());
-  add("hoccl_ppermute_start", Capsule(hoccl::kPermuteStartCpu), nb::none());
+  add("hoccl_all_gather_start", CpuStaged(hoccl::kAllGatherStartCpu), nb::none());
+  add("hoccl_all_gather_into_start", CpuStaged(hoccl::kAllGatherIntoStartCpu), nb::none());
+  add("hoccl_all_to_all_start", CpuStaged(hoccl::kAllToAllStartCpu), nb::none());
+  add("hoccl_ppermute_start", CpuStaged(hoccl::kPermuteStartCpu), nb::none());
   add("hoccl_done", Capsule(hoccl::kDoneCpu), nb::none());
 #endif
   return d;
@@ -77,6 +95,7 @@ std::vector<PyStep> Plan(int op, int group_size, int rank, size_t bytes,
 
 NB_MODULE(_hoccl, m) {
   m.def("registrations", &Registrations);
+  m.def("cpu_call_type", &CpuCallType);
   m.def("plan", &Plan, nb::arg("op"), nb::arg("group_size"), nb::arg("rank"), nb::arg("bytes"),
         nb::arg("permute_dst") = std::vector<int>{}, nb::arg("chunks") = 1,
         nb::arg("channels") = 1, nb::arg("peers_only") = false);

@@ -219,6 +219,8 @@ _MISSING_PEER_SCRIPT = textwrap.dedent("""
     #    (Called through the registered FFI target, as the lowering does.)
     mesh1 = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
     x1 = jax.device_put(np.arange(4, dtype=np.float32), NamedSharding(mesh1, P("x")))
+    from jax_hoccl._src.ffi_targets import register
+    register()  # the lowering registers the handlers; this calls one directly
     def ghost(a):
       call = jax.ffi.ffi_call("hoccl_all_gather", jax.ShapeDtypeStruct((2, 4), a.dtype),
                               has_side_effect=True)

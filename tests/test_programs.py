@@ -301,15 +301,12 @@ _SAME_SITE_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "BUG (CPU rendezvous keyed by call site): one inner jit called on independent inputs is "
-    "lowered once, so XLA runs 12 identical custom calls (one site id) that XLA:CPU may "
-    "execute in a different order per device; pairing by (site, n-th call) then matches "
-    "different instances across devices. Wrong results, typically a few % of calls. Flaky "
-    "by nature: it can pass by luck."))
 def test_same_call_site_many_times_in_one_program():
   """An inner jitted function holding a collective, called on 12 independent inputs in
-  one program: every call must pair with the same call on the other devices."""
+  one program: lowered once, so all 12 calls carry one site id, and XLA:CPU runs them in a
+  different order on each device. Every call must still pair with the same call on the other
+  devices (the CPU engine keys calls by instruction, handlers_cpu.cc), and nothing may
+  deadlock (its handlers block no thread)."""
   proc = subprocess.run([sys.executable, "-P", "-c", _SAME_SITE_SCRIPT], capture_output=True,
                         text=True, timeout=240, env=dict(os.environ))
   line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]

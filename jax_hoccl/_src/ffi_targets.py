@@ -1,6 +1,8 @@
 """Loads the C++ extension and registers its FFI handlers with XLA (once, at import)."""
 from __future__ import annotations
 
+import threading
+
 import jax
 
 try:
@@ -11,17 +13,34 @@ except ImportError as e:  # pragma: no cover - only when the package was not bui
       "from the repository (it builds cc/ with CMake).") from e
 
 WITH_CUDA: bool = bool(_hoccl.with_cuda)
-TARGETS: dict[str, tuple[str, ...]] = {}
+TARGETS: dict[str, tuple[str, ...]] = {
+    name: tuple(per_platform) for name, per_platform in _hoccl.registrations().items()}
+_registered = False
+_lock = threading.Lock()
 
-for _name, _per_platform in _hoccl.registrations().items():
-  for _platform, _capsule in _per_platform.items():
-    jax.ffi.register_ffi_target(_name, _capsule, platform=_platform, api_version=1)
-  TARGETS[_name] = tuple(_per_platform)
+
+def register() -> None:
+  """Registers the handlers with XLA, once, at the first lowering. The CPU handlers keep
+  per-instruction state (handlers_cpu.cc) whose type XLA must know before them, and
+  registrations queued before the backends start are applied handlers first: so this waits
+  until the backends are up (a lowering needs them anyway), then registers the type, then
+  the handlers."""
+  global _registered
+  with _lock:
+    if _registered:
+      return
+    jax.devices()
+    jax.ffi.register_ffi_type("hoccl_cpu_call", _hoccl.cpu_call_type(), platform="cpu")
+    for name, per_platform in _hoccl.registrations().items():
+      for platform, handler in per_platform.items():
+        jax.ffi.register_ffi_target(name, handler, platform=platform, api_version=1)
+    _registered = True
 
 
 def ffi_lower(target: str, op: str, ctx, *args, lowering_args=None, **attrs):
   """Lowers to the custom call `target`. has_side_effect keeps XLA from merging or dropping
   a collective on some devices only, and from moving it past other side-effecting ops."""
+  register()
   platforms = ctx.module_context.platforms
   for p in platforms:
     if p not in ("cpu", "cuda"):
