@@ -2,11 +2,56 @@
 
 #include <cstdlib>
 #include <cstdio>
+#include <deque>
 #include <thread>
 
 namespace hoccl {
 
 static void StartWatchdog();
+
+// Runs the peers' completions (ArriveAsync) on reusable threads. A completion may block (XLA
+// continues that device's program in it, and XLA's own collectives wait for every device),
+// so no task ever waits for a free thread: a new one starts whenever the queue outgrows the
+// idle workers. The pool grows to the most completions ever in flight at once.
+class CompletionPool {
+ public:
+  void Run(std::function<void()> task) {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(task));
+    if (queue_.size() > static_cast<size_t>(idle_)) {
+      std::thread([this] { Work(); }).detach();
+    } else {
+      cv_.notify_one();
+    }
+  }
+
+ private:
+  void Work() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      while (queue_.empty()) {
+        ++idle_;
+        cv_.wait(lock);
+        --idle_;
+      }
+      std::function<void()> task = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      task();
+      lock.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  int idle_ = 0;
+};
+
+static CompletionPool& Completions() {
+  static CompletionPool* pool = new CompletionPool();  // lives for the process
+  return *pool;
+}
 
 double TimeoutSeconds() {
   const char* v = std::getenv("JAX_HOCCL_TIMEOUT_S");
@@ -237,11 +282,11 @@ void Communicator::ArriveAsync(uint64_t seq, int rank, const char* op, const voi
   }
   if (!last) return;
   const std::string err = run(ready.inputs, ready.outputs);
-  // XLA:CPU continues a device's program inside its completion: each peer's on a thread of
-  // its own (two devices' continuations on one thread deadlock as soon as one blocks, e.g.
-  // in XLA's own collectives), mine here.
+  // XLA:CPU continues a device's program inside its completion: each peer's runs on the
+  // completion pool, never queued behind another (two devices' continuations on one thread
+  // deadlock as soon as one blocks, e.g. in XLA's own collectives), mine here.
   for (int r = 0; r < size(); ++r)
-    if (r != rank) std::thread([c = std::move(ready.done[r]), err] { c(err); }).detach();
+    if (r != rank) Completions().Run([c = std::move(ready.done[r]), err] { c(err); });
   ready.done[rank](err);
 }
 
@@ -280,7 +325,7 @@ void Communicator::ExpireAsync() {
   }
   cv_.notify_all();
   for (auto& [done, msg] : failed)
-    std::thread([c = std::move(done), m = std::move(msg)] { c(m); }).detach();
+    Completions().Run([c = std::move(done), m = std::move(msg)] { c(m); });
 }
 
 static std::mutex g_registry_mu;
