@@ -91,18 +91,15 @@ Communicator::Slot& Communicator::SlotFor(uint64_t seq) {
   const int n = size();
   Slot& s = slots_[seq];
   s.inputs.assign(n, nullptr);
-  s.outputs.assign(n, nullptr);
   s.arrived.assign(n, 0);
-  s.done.assign(static_cast<size_t>(n) * n, 0);
   return s;
 }
 
-void Communicator::Arrive(uint64_t seq, int rank, const void* input, void* output) {
+void Communicator::Arrive(uint64_t seq, int rank, const void* input) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     Slot& s = SlotFor(seq);
     s.inputs[rank] = input;
-    s.outputs[rank] = output;
     s.arrived[rank] = 1;
   }
   cv_.notify_all();
@@ -128,6 +125,18 @@ static std::chrono::steady_clock::time_point Deadline() {
          std::chrono::microseconds(static_cast<int64_t>(TimeoutSeconds() * 1e6));
 }
 
+std::string Communicator::MissingPeers(const char* op, int rank, uint64_t seq,
+                                       const std::vector<char>& arrived) const {
+  std::string o = std::string("jax_hoccl ") + op + ": " + Describe(rank) + " of group [" + key_ +
+                  "] timed out after " + Seconds(TimeoutSeconds()) +
+                  " s (JAX_HOCCL_TIMEOUT_S) at call #" + std::to_string(seq) +
+                  " waiting for missing peer(s):";
+  for (int p = 0; p < size(); ++p)
+    if (!arrived[p]) o += " " + Describe(p) + ";";
+  return o + " every peer must call the same collectives in the same order. This communicator"
+             " is now unusable; restart the process.";
+}
+
 std::string Communicator::WaitArrived(uint64_t seq, int rank, int peer, const char* op) {
   std::unique_lock<std::mutex> lock(mu_);
   auto deadline = Deadline();
@@ -135,15 +144,7 @@ std::string Communicator::WaitArrived(uint64_t seq, int rank, int peer, const ch
   while (!s->arrived[peer]) {
     if (!broken_.empty()) return broken_;
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !s->arrived[peer]) {
-      std::string o = std::string("jax_hoccl ") + op + ": " + Describe(rank) + " of group [" +
-                      key_ + "] timed out after " + Seconds(TimeoutSeconds()) +
-                      " s (JAX_HOCCL_TIMEOUT_S) at call #" + std::to_string(seq) +
-                      " waiting for missing peer(s):";
-      for (int p = 0; p < size(); ++p)
-        if (!s->arrived[p]) o += " " + Describe(p) + ";";
-      o += " every peer must call the same collectives in the same order. This communicator"
-           " is now unusable; restart the process.";
-      return Fail(o);
+      return Fail(MissingPeers(op, rank, seq, s->arrived));
     }
     s = &SlotFor(seq);
   }
@@ -155,47 +156,9 @@ bool Communicator::HasArrived(uint64_t seq, int peer) {
   return SlotFor(seq).arrived[peer] != 0;
 }
 
-std::string Communicator::WaitAllArrived(uint64_t seq, int rank, const char* op) {
-  for (int p = 0; p < size(); ++p) {
-    std::string err = WaitArrived(seq, rank, p, op);
-    if (!err.empty()) return err;
-  }
-  return "";
-}
-
 const void* Communicator::Input(uint64_t seq, int peer) {
   std::lock_guard<std::mutex> lock(mu_);
   return SlotFor(seq).inputs[peer];
-}
-
-void* Communicator::Output(uint64_t seq, int peer) {
-  std::lock_guard<std::mutex> lock(mu_);
-  return SlotFor(seq).outputs[peer];
-}
-
-void Communicator::SignalDone(uint64_t seq, int reader, int owner) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    SlotFor(seq).done[static_cast<size_t>(owner) * size() + reader] = 1;
-  }
-  cv_.notify_all();
-}
-
-std::string Communicator::WaitDone(uint64_t seq, int owner, int reader, const char* op) {
-  std::unique_lock<std::mutex> lock(mu_);
-  auto deadline = Deadline();
-  const size_t idx = static_cast<size_t>(owner) * size() + reader;
-  while (!SlotFor(seq).done[idx]) {
-    if (!broken_.empty()) return broken_;
-    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !SlotFor(seq).done[idx]) {
-      return Fail(std::string("jax_hoccl ") + op + ": " + Describe(owner) + " of group [" + key_ +
-                  "] timed out after " + Seconds(TimeoutSeconds()) + " s at call #" +
-                  std::to_string(seq) + " waiting for " + Describe(reader) +
-                  " to finish reading its input. This communicator is now unusable; restart the"
-                  " process.");
-    }
-  }
-  return "";
 }
 
 std::string Communicator::ExchangeSetup(const std::string& name, int rank, void* value,
@@ -303,19 +266,11 @@ void Communicator::ExpireAsync() {
         ++it;
         continue;
       }
-      std::string missing;
-      for (int p = 0; p < size(); ++p)
-        if (!s.arrived[p]) missing += " " + Describe(p) + ";";
       for (int r = 0; r < size(); ++r) {
         if (!s.arrived[r]) continue;
         std::string msg = broken_;
         if (msg.empty() || now - s.since >= timeout) {
-          msg = std::string("jax_hoccl ") + s.op + ": " + Describe(r) + " of group [" + key_ +
-                "] timed out after " + Seconds(TimeoutSeconds()) +
-                " s (JAX_HOCCL_TIMEOUT_S) at call #" + std::to_string(it->first) +
-                " waiting for missing peer(s):" + missing +
-                " every peer must call the same collectives in the same order. This"
-                " communicator is now unusable; restart the process.";
+          msg = MissingPeers(s.op, r, it->first, s.arrived);
           if (broken_.empty()) broken_ = msg;
         }
         failed.emplace_back(std::move(s.done[r]), msg);

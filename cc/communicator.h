@@ -3,10 +3,11 @@
 // every group of a mesh axis gets its own; each rank keeps its own sequence counter, and
 // because every rank runs the same SPMD program the counters agree without talking.
 //
-// The rendezvous slot for (communicator, sequence) carries each rank's buffer addresses
-// ("direct" mode: peers copy straight between XLA's buffers) plus the ready/done handshakes
-// the CPU executor uses. A wait that exceeds the deadline breaks the communicator: its
-// counters are then out of step, so every later call fails fast with the original reason.
+// The rendezvous slot for (communicator, sequence) carries each rank's input address
+// ("direct" mode: peers copy straight between XLA's buffers). The CUDA engine meets there
+// with blocking waits (Arrive/WaitArrived); the CPU engine with ArriveAsync, which blocks no
+// thread. A wait that exceeds the deadline breaks the communicator: its counters are then
+// out of step, so every later call fails fast with the original reason.
 #ifndef JAX_HOCCL_COMMUNICATOR_H_
 #define JAX_HOCCL_COMMUNICATOR_H_
 
@@ -43,23 +44,17 @@ class Communicator {
   // instead of by global order, as XLA's own CPU collectives key by op id.
   uint64_t NextSeqAt(int rank, int64_t site);
 
-  // Publish my buffers for `seq`; marks me arrived (= ready for every reader).
-  void Arrive(uint64_t seq, int rank, const void* input, void* output);
+  // Publish my input for `seq`; marks me arrived (= ready for every reader). The CUDA
+  // engine's host rendezvous (DirectTransport in cuda_executor.cc).
+  void Arrive(uint64_t seq, int rank, const void* input);
 
   // Wait until `peer` has arrived at `seq`. On timeout returns an error naming the op, my
   // rank and every rank still missing, and breaks the communicator.
   std::string WaitArrived(uint64_t seq, int rank, int peer, const char* op);
   // Non-blocking: has `peer` arrived at `seq`? (lets a caller spin briefly before blocking)
   bool HasArrived(uint64_t seq, int peer);
-  // Wait until all ranks arrived (used by executors that need every address at once).
-  std::string WaitAllArrived(uint64_t seq, int rank, const char* op);
 
   const void* Input(uint64_t seq, int peer);
-  void* Output(uint64_t seq, int peer);
-
-  // Reader -> owner: finished reading owner's input.
-  void SignalDone(uint64_t seq, int reader, int owner);
-  std::string WaitDone(uint64_t seq, int owner, int reader, const char* op);
 
   // Rank is finished with `seq`; the slot is freed when every rank has left.
   void Leave(uint64_t seq, int rank);
@@ -92,9 +87,7 @@ class Communicator {
   friend size_t LiveSlotCount();
   struct Slot {
     std::vector<const void*> inputs;
-    std::vector<void*> outputs;
     std::vector<char> arrived;
-    std::vector<char> done;  // done[owner * n + reader]
     int left = 0;
   };
   struct AsyncSlot {
@@ -109,6 +102,9 @@ class Communicator {
   Slot& SlotFor(uint64_t seq);  // requires mu_
   std::string Fail(const std::string& msg);  // requires mu_
   std::string Describe(int rank) const;
+  // The timeout error of `rank` at `seq`, naming the op and every rank not in `arrived`.
+  std::string MissingPeers(const char* op, int rank, uint64_t seq,
+                           const std::vector<char>& arrived) const;
 
   const std::string key_;
   const std::vector<int64_t> device_ids_;

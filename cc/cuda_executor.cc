@@ -89,9 +89,10 @@ std::string DirectTransport::ExchangeFlags(int rank, uint64_t* my_flags,
 }
 
 std::string DirectTransport::ExchangeBuffers(uint64_t seq, int rank, const void* input,
-                                             void* output, const std::vector<int>& peers,
+                                             void* /*output: pulls need only inputs*/,
+                                             const std::vector<int>& peers,
                                              std::vector<const void*>* inputs, const char* op) {
-  comm_.Arrive(seq, rank, input, output);
+  comm_.Arrive(seq, rank, input);
   // The peers' handler threads usually arrive within microseconds: spin a little before
   // sleeping on the condition variable (a futex wake-up costs tens of microseconds, which
   // would dominate a small collective).
