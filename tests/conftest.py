@@ -4,7 +4,11 @@ The environment must be set before jax is imported anywhere, so it is done at th
 this file (pytest imports conftest.py before any test module).
 """
 import contextlib
+import json
 import os
+import subprocess
+import sys
+import time
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in _flags:
@@ -18,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-import jax_hoccl  # noqa: E402,F401  (registers the FFI targets)
+import jax_hoccl  # noqa: E402,F401  (its FFI targets register at the first lowering)
 
 NDEV = 8
 CPUS = jax.devices("cpu")
@@ -163,3 +167,24 @@ def lax_ppermute_any_axis_order():
     yield
   finally:
     jax.config.update("jax_raise_on_ppermute_sort_diff", prev)
+
+
+def gpus():
+  """The GPU devices, or [] where jax has no GPU backend (the GPU test files skip then)."""
+  try:
+    return jax.devices("gpu")
+  except RuntimeError:
+    return []
+
+
+def run_script(script, timeout=240, env_extra=None):
+  """Runs `script` in a fresh Python (its own XLA flags, timeouts) and returns (the JSON it
+  printed after "RESULT", wall seconds); fails with its output if it printed none."""
+  env = dict(os.environ)
+  env.update(env_extra or {})
+  t = time.monotonic()
+  proc = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True,
+                        timeout=timeout, env=env)
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
+  assert line, f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+  return json.loads(line[-1][len("RESULT"):]), time.monotonic() - t

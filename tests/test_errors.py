@@ -3,12 +3,7 @@ run time for a peer that never arrives (a timeout naming the op, the rank and th
 peers; later calls on that broken communicator fail fast). The runtime cases run in a
 subprocess so that a broken communicator cannot affect the rest of the suite.
 """
-import json
-import os
-import subprocess
-import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -17,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import jax_hoccl as hc
-from conftest import MESH1, MESH2, put, rand
+from conftest import MESH1, MESH2, put, rand, run_script
 
 X1 = put(MESH1, rand(np.random.default_rng(40), (64, 8), np.float32), P("x"))
 X2 = put(MESH2, rand(np.random.default_rng(41), (64, 8), np.float32), P(("x", "y")))
@@ -253,19 +248,8 @@ _MISSING_PEER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_script(script, timeout=120, env_extra=None):
-  env = dict(os.environ)
-  env.update(env_extra or {})
-  t = time.monotonic()
-  proc = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True,
-                        timeout=timeout, env=env)
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
-  assert line, f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
-  return json.loads(line[-1][len("RESULT"):]), time.monotonic() - t
-
-
 def test_missing_peer_times_out_with_a_clear_error():
-  res, wall = run_script(_MISSING_PEER_SCRIPT)
+  res, wall = run_script(_MISSING_PEER_SCRIPT, timeout=120)
   assert wall < 60, wall
 
   ghost = res["ghost"]

@@ -2,7 +2,6 @@
 
 Run on a multi-GPU machine with `bash scripts/gpu_check.sh` (builds, runs this, benchmarks).
 """
-import os
 
 import numpy as np
 import pytest
@@ -12,16 +11,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_hoccl
+from conftest import gpus
 
 
-def _gpus():
-  try:
-    return jax.devices("gpu")
-  except RuntimeError:
-    return []
-
-
-GPUS = _gpus()
+GPUS = gpus()
 pytestmark = pytest.mark.skipif(len(GPUS) < 2, reason="needs >= 2 GPUs")
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8, jnp.uint8]

@@ -6,19 +6,13 @@ import pytest
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jax_hoccl._src.fused.rows_matmul import rows_matmul
+from conftest import gpus
 
 
-def _gpus():
-  try:
-    return jax.devices("gpu")
-  except RuntimeError:
-    return []
-
-
-GPUS = _gpus()
+GPUS = gpus()
 pytestmark = pytest.mark.skipif(not GPUS, reason="needs a GPU")
 
 

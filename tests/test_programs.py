@@ -2,10 +2,6 @@
 ours with XLA's own collectives and matmuls, many launches (nothing leaks), jit with
 explicit shardings, nested shard_map, and independent collectives in one program.
 """
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -16,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_hoccl as hc
 from jax_hoccl import _hoccl
-from conftest import MESH1, MESH2, assert_lowers_to_ours, put, rand, to_np
+from conftest import MESH1, MESH2, assert_lowers_to_ours, put, rand, run_script, to_np
 
 SHIFT8 = [(i, (i + 1) % 8) for i in range(8)]
 SHIFT4 = [(i, (i + 3) % 4) for i in range(4)]
@@ -257,11 +253,7 @@ def test_independent_collectives_in_one_program():
   a program has > 8 thunks and a buffer > 512 bytes (custom calls get no ordering resource,
   unlike XLA's collectives). Run in a subprocess: a mismatch reads peers' buffers of another
   size."""
-  proc = subprocess.run([sys.executable, "-P", "-c", _INDEPENDENT_SCRIPT], capture_output=True,
-                        text=True, timeout=240, env=dict(os.environ))
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
-  assert line, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-  res = json.loads(line[-1][len("RESULT"):])
+  res, _ = run_script(_INDEPENDENT_SCRIPT)
   for case, r in res.items():
     assert r["bad"] == 0, f"{case}: {r['bad']} of {r['of']} results wrong"
 
@@ -307,11 +299,7 @@ def test_same_call_site_many_times_in_one_program():
   different order on each device. Every call must still pair with the same call on the other
   devices (the CPU engine keys calls by instruction, handlers_cpu.cc), and nothing may
   deadlock (its handlers block no thread)."""
-  proc = subprocess.run([sys.executable, "-P", "-c", _SAME_SITE_SCRIPT], capture_output=True,
-                        text=True, timeout=240, env=dict(os.environ))
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
-  assert line, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-  res = json.loads(line[-1][len("RESULT"):])
+  res, _ = run_script(_SAME_SITE_SCRIPT)
   assert res["bad"] == 0, f"{res['bad']} of {res['of']} results wrong ({res['sites']} site ids)"
 
 
@@ -335,7 +323,7 @@ _FEW_THREADS_SCRIPT = textwrap.dedent("""
     want = [np.asarray(w) for w in g(ys)]
     bad = sum(not np.array_equal(np.asarray(a), w)
               for _ in range(10) for a, w in zip(f(ys), want))
-    print("RESULT", bad)
+    print("RESULT", bad)  # a JSON number
 """)
 
 
@@ -344,8 +332,5 @@ def test_many_concurrent_collectives_on_a_small_thread_pool():
   engine's handlers block no thread (a blocking rendezvous can starve XLA:CPU's shared pool:
   every thread waits for a call the peers have no thread left to make), so it finishes,
   correct, well within the 20 s timeout."""
-  proc = subprocess.run([sys.executable, "-P", "-c", _FEW_THREADS_SCRIPT], capture_output=True,
-                        text=True, timeout=240, env=dict(os.environ))
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
-  assert line, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-  assert line[-1].split()[1] == "0", line[-1]
+  bad, _ = run_script(_FEW_THREADS_SCRIPT)
+  assert bad == 0, f"{bad} results wrong"
