@@ -171,13 +171,18 @@ class Pending:
     return cls(*children, *aux)
 
 
+def _pending(buf, x, token, site, finish=None):
+  """The Pending of a start that returned (buf, token): x ordered after it, for compute."""
+  x_after_start, _ = jax.lax.optimization_barrier((x, token))
+  return Pending(buf, x_after_start, token, site, finish or (lambda b: b))
+
+
 def _start(op, x, axes, n, *, perm=(), peers_only=False, invariant=False, finish=None):
   site = axes_lib.new_site()
   buf, token = start_p.bind(x, op=op, axes=tuple(axes), axis_size=int(n), perm=tuple(perm),
                             peers_only=bool(peers_only), invariant=bool(invariant),
                             site=site)
-  x_after_start, _ = jax.lax.optimization_barrier((x, token))
-  return Pending(buf, x_after_start, token, site, finish or (lambda b: b))
+  return _pending(buf, x, token, site, finish)
 
 
 def done(pending: Pending, *deps):
@@ -255,8 +260,7 @@ def all_gather_into_start(x, axis_name, into, row, *, to="varying"):
   buf, token = into_start_p.bind(x, *dst, axes=tuple(axes),
                                  axis_size=int(n), shape=shape, row=int(row),
                                  invariant=(to != "varying"), site=site)
-  x_after_start, _ = jax.lax.optimization_barrier((x, token))
-  return Pending(buf, x_after_start, token, site, lambda b: b)
+  return _pending(buf, x, token, site)
 
 
 def all_to_all_start(x, axis_name, *, tiled=True):
