@@ -59,7 +59,8 @@ def main():
   w = (rng.standard_normal((k, k), dtype=np.float32) * 0.05).astype(jnp.bfloat16)
   specs = (P(None, "x"), P("x"))
   fn = getattr(jax_hoccl, op)
-  body = lambda x, w: fn(x, w, "x", chunks=chunks)  # noqa: E731
+  kw = {"chunks": chunks} if op == "matmul_psum" else {}
+  body = lambda x, w: fn(x, w, "x", **kw)  # noqa: E731
   (res, gemm), = [_paired(mesh, lambda x, w: x @ w, (x, w), {"op": body}, (x, w), specs)]
   ms, ratio = res["op"]
   print(f"{op} chunks={chunks} M={m_total}: {ms:.3f} ms, GEMM {gemm:.3f} ms, x{ratio:.3f}")
@@ -67,6 +68,18 @@ def main():
                             if op == "matmul_psum" else P("x"), check_vma=False))
   args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)]
   text = f.lower(*args).compile().as_text()
+  if os.environ.get("JAX_HOCCL_PROFILE"):  # host time in the handlers, per call of the op
+    import time
+    from jax_hoccl import _hoccl
+    jax.block_until_ready(f(*args))
+    _hoccl.host_profile(reset=True)
+    t0, calls = time.perf_counter(), 10
+    for _ in range(calls):
+      jax.block_until_ready(f(*args))
+    wall = (time.perf_counter() - t0) / calls
+    prof = _hoccl.host_profile(reset=True)
+    print(f"  host per call ({wall * 1e6:.0f} us wall, per device): " + "  ".join(
+        f"{ph}={c // (calls * len(devices))}x{ns / 1e3 / c:.1f}us" for ph, c, ns in prof))
   for line in schedule(text):
     print("   ", line)
 

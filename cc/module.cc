@@ -9,6 +9,7 @@
 
 #include "communicator.h"
 #include "handlers.h"
+#include "host_profile.h"
 #include "plan.h"
 
 namespace nb = nanobind;
@@ -100,6 +101,8 @@ NB_MODULE(_hoccl, m) {
         nb::arg("permute_dst") = std::vector<int>{}, nb::arg("chunks") = 1,
         nb::arg("channels") = 1, nb::arg("peers_only") = false);
   m.def("live_slot_count", &hoccl::LiveSlotCount);
+  m.def("host_profile", &hoccl::HostProfileSnapshot, nb::arg("reset") = false,
+        "(phase, calls, ns) of host time inside the handlers; set JAX_HOCCL_PROFILE=1 first");
 #ifdef JAX_HOCCL_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -213,7 +213,8 @@ def test_psum(mesh, name, algorithm, local):
 
 
 def test_psum_auto_algorithm_by_size():
-  """'auto' picks one_shot for small inputs and two_step for large ones (trace only)."""
+  """'auto' picks one_shot for small inputs and two_step for large ones (trace only), and
+  one_shot at any size for a group of two (same bytes moved, one exchange)."""
   from jax_hoccl._src.ops import psum as psum_mod
   spec = P("x")
   f = jax.shard_map(lambda a: hc.psum(a, "x"), mesh=MESH1, in_specs=spec, out_specs=spec)
@@ -225,6 +226,10 @@ def test_psum_auto_algorithm_by_size():
   big = jax.ShapeDtypeStruct(big.shape, big.dtype, sharding=NamedSharding(MESH1, spec))
   assert "hoccl_all_to_all" not in jax.jit(f).lower(small).as_text()
   assert "hoccl_all_to_all" in jax.jit(f).lower(big).as_text()
+  pair = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  f2 = jax.shard_map(lambda a: hc.psum(a, "x"), mesh=pair, in_specs=spec, out_specs=spec)
+  big2 = jax.ShapeDtypeStruct((2 * big_elems,), jnp.float32, sharding=NamedSharding(pair, spec))
+  assert "hoccl_all_to_all" not in jax.jit(f2).lower(big2).as_text()
   with pytest.raises(ValueError, match="psum_algorithm"):
     with hc.psum_algorithm("ring"):
       pass

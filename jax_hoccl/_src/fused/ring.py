@@ -5,8 +5,9 @@ Row block b of x @ w is summed over the ranks by carrying it around the ring: at
 sent it, and sends the result on to rank r+1 (copy engines); at step n-1 the block is r's own
 and its sum is complete. Per rank the ring moves (n-1)/n of the output, as a reduce-scatter
 must (gathering every rank's partial and summing would move n-1 times the output). Every
-multiplication is a rows_matmul (XLA's dot on x's rows plus the received partial; with
-JAX_HOCCL_CUBLASLT=1 one cuBLASLt call that reads the rows in place and adds in its epilogue).
+multiplication is a rows_matmul: one cuBLASLt call that reads x's rows in place and adds the
+received partial in its epilogue (XLA's dot + add where cuBLASLt does not apply, or with
+JAX_HOCCL_CUBLASLT=0).
 
 Each block is cut into row pieces and the work runs step by step, piece by piece, (s, p) in
 lexicographic order: a piece's partial sum travels while the SMs multiply the next pieces, and
@@ -82,28 +83,22 @@ class Overlap:
 
 
 def reduce_scatter_ring(x, w, axes, n: int, pieces: Sequence[int], layout: Callable,
-                        on_sum: Callable | None = None, final_rows: int | None = None):
+                        on_sum: Callable | None = None):
   """My block of x @ w summed over the ranks, in pieces.
 
   x is 2-D [M, K]. layout(p) -> (block_rows, piece_row0): piece p (pieces[p] rows) of block b
-  starts at x's row b * block_rows + piece_row0. With final_rows, the summed pieces are written
-  in place into one [final_rows, N] array, piece p at rows [O_p, O_p + pieces[p]) (returned);
-  else each is its own array, passed to on_sum(p, summed, overlap) as it is ready (to start
-  sending it) and returned in a list. Also returns the Overlap (for what follows)."""
+  starts at x's row b * block_rows + piece_row0. Each summed piece is its own array, passed to
+  on_sum(p, summed, overlap) as it is ready (to start sending it) and returned in a list.
+  Also returns the Overlap (for what follows)."""
   ov = Overlap()
   to_next = [(i, (i + 1) % n) for i in range(n)]
-  offsets = [sum(pieces[:p]) for p in range(len(pieces))]
-  in_flight, mine, out = {}, [], None
+  in_flight, mine = {}, []
   for s in range(n):
     for p, rows in enumerate(pieces):
       block_rows, piece_row0 = layout(p)
       received = ov.done(in_flight.pop(p)) if s > 0 else None  # added in the GEMM's epilogue
       args = dict(shift=n - s - 1, block_rows=block_rows, piece_row0=piece_row0, rows=rows,
                   c=received)
-      if s == n - 1 and final_rows is not None:
-        out = rows_matmul(ov.inputs(x), w, axes, n, into=out, out_rows=final_rows,
-                          out_row0=offsets[p], **args)
-        continue
       part = rows_matmul(ov.inputs(x), w, axes, n, **args)
       if s < n - 1:
         in_flight[p] = ov.start(ac.ppermute_start(part, axes, to_next))
@@ -111,4 +106,4 @@ def reduce_scatter_ring(x, w, axes, n: int, pieces: Sequence[int], layout: Calla
         mine.append(part)
         if on_sum is not None:
           on_sum(p, part, ov)
-  return (out if final_rows is not None else mine), ov
+  return mine, ov

@@ -2,13 +2,13 @@
 GEMM the fused ops' pipelines are built from; x_row0 = ((rank + shift) % n) * block_rows +
 piece_row0 picks this rank's rows.
 
-On GPU, with JAX_HOCCL_CUBLASLT=1, it is one cuBLASLt call (cc/rows_matmul_cuda.cc) that
-reads x's rows and writes the output's rows through pointer offsets: no copy of x's rows, `+ c` (a received partial sum) in
-the GEMM's epilogue instead of a kernel, and the rows written in place into a buffer chained
-from call to call (`into`), so pieces need no concatenate. With XLA's own dot the fused ops
-paid for all three (measured on H200: most of their overhead over the GEMM alone).
-Otherwise (the default; CPU; f32 and other dtypes) it lowers to XLA's dynamic_slice, dot,
-add and dynamic_update_slice: the same values.
+On GPU, for bf16/f16, it is one cuBLASLt call (cc/rows_matmul_cuda.cc) that reads x's rows
+and writes the output's rows through pointer offsets: no copy of x's rows, `+ c` (a received
+partial sum) in the GEMM's epilogue instead of a kernel, and the rows written in place into a
+buffer chained from call to call (`into`), so pieces need no concatenate. With XLA's own dot
+the fused ops paid for all three (measured on H200: most of their overhead over the GEMM
+alone). Otherwise (JAX_HOCCL_CUBLASLT=0; CPU; f32 and other dtypes) it lowers to XLA's
+dynamic_slice, dot, add and dynamic_update_slice: the same values.
 """
 from __future__ import annotations
 
@@ -50,18 +50,19 @@ def _reference(x, w, *rest, axes, axis_size, shift, block_rows, piece_row0, rows
 
 
 def cublaslt_enabled() -> bool:
-  """Opt-in (JAX_HOCCL_CUBLASLT=1, read when a program is lowered). On one H200 the cuBLASLt
-  path is correct, but its heuristic's GEMM was 10% slower than XLA's autotuned one at
-  M=16384 and the pieces cost 7-12% at M=4096 (benchmarks/probe_rows_matmul.py); it has not
-  been timed inside the fused ops on two GPUs yet, so XLA's dot stays the default."""
-  return os.environ.get("JAX_HOCCL_CUBLASLT", "0") not in ("", "0")
+  """On unless JAX_HOCCL_CUBLASLT=0 (read when a program is lowered). Inside matmul_psum's
+  ring on 2x H200 the cuBLASLt path took 1.25x / 1.32x the GEMM alone at M = 4096 / 16384,
+  against 1.36x / 1.37x with XLA's dot + add (benchmarks/results/*-fused.json): XLA copies
+  x's row slices, runs the adds as separate kernels and merges pieces back together."""
+  return os.environ.get("JAX_HOCCL_CUBLASLT", "1") not in ("", "0")
 
 
 @functools.cache
 def _preload_cublaslt() -> None:
   """cc/rows_matmul_cuda.cc finds cuBLASLt in the process by soname. XLA loads it for its own
   GEMMs, but a program of ours may run first: load the copy from jax's nvidia wheels (not on
-  the default library path) so that it is there."""
+  the default library path) so that it is there. (jax's CUDA plugin needs cuBLASLt, so any
+  machine that runs the GPU program has one; the handler says so clearly if not.)"""
   import ctypes
   import glob
   import site

@@ -7,7 +7,7 @@ Three algorithms, all compositions of the movers with an XLA sum (no kernel of o
   pipelined: two_step in PIPELINE_CHUNKS chunks with the async pairs, so XLA's sum of chunk k
              runs on the SMs while the copy engines move chunk k+1 (opt-in: not measured on
              GPU yet; JAX_HOCCL_PSUM_CHUNKS sets the chunk count).
-"auto" picks by size (ONE_SHOT_MAX_BYTES). Override with the env var JAX_HOCCL_PSUM_ALGORITHM
+"auto" picks one_shot up to ONE_SHOT_MAX_BYTES and for groups of two, two_step above. Override with the env var JAX_HOCCL_PSUM_ALGORITHM
 or `with jax_hoccl.psum_algorithm("two_step"):` around the tracing of your function.
 """
 from __future__ import annotations
@@ -38,7 +38,10 @@ def choose_algorithm(nbytes: int, n: int) -> str:
   if algo not in ALGORITHMS:
     raise ValueError(f"jax_hoccl.psum: algorithm must be one of {ALGORITHMS}, got {algo!r}")
   if algo == "auto":
-    algo = "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES or n == 1 else "two_step"
+    # With two ranks both move the same bytes (one_shot receives (n-1) x, two_step 2(n-1)/n x)
+    # and one_shot is one exchange instead of two: on 2x H200 it took 46 / 68 / 113 us at
+    # 1 / 4 / 16 MiB against two_step's 76 / 75 / 129 (benchmarks/probe_op_cost.py).
+    algo = "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES or n <= 2 else "two_step"
   return algo
 
 
