@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "driver_api.h"
+#include "host_profile.h"
 
 namespace hoccl {
 
@@ -475,7 +476,11 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   }
 
   const int n = spec.group_size, r = spec.rank;
-  const std::vector<Step> steps = MakePlan(spec, ChooseCudaPlanOptions(spec));
+  std::vector<Step> steps;
+  {
+    HostTimer timer("plan");
+    steps = MakePlan(spec, ChooseCudaPlanOptions(spec));
+  }
   std::vector<char> involved(n, 0);
   bool multi = false;
   for (const Step& s : steps) {
@@ -491,12 +496,16 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   const uint64_t seq = comm.NextSeq(r);
   std::vector<const void*> inputs(n, nullptr);
   inputs[r] = input;
-  err = transport.ExchangeBuffers(seq, r, input, output, peers, &inputs, op);
+  {
+    HostTimer timer("rendezvous");  // mostly waiting for the peers' handler threads
+    err = transport.ExchangeBuffers(seq, r, input, output, peers, &inputs, op);
+  }
   if (!err.empty()) return {ErrorKind::kDeadline, err};
   HOCCL_TRACE("%s rank %d: seq %llu rendezvous done, %zu steps, multi %d\n", op, r,
               static_cast<unsigned long long>(seq), steps.size(), multi ? 1 : 0);
 
   CallContext ctx{api, spec, steps, stream, inputs, output, st, seq + 1};
+  HostTimer enqueue_timer(multi ? "enqueue multi-stream" : "enqueue one stream");
   if (multi) {
     DeviceResources& res = ResourcesFor(device);
     std::lock_guard<std::mutex> lock(res.mu);

@@ -13,6 +13,7 @@
 #include "cpu_executor.h"
 #include "handler_common.h"
 #include "handlers.h"
+#include "host_profile.h"
 #include "plan.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -49,6 +50,7 @@ ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, ffi::AnyBuffe
                    void* out_data, size_t out_bytes, ffi::Span<const int64_t> groups,
                    int64_t group_size, ffi::Span<const int64_t> permute_dst,
                    bool peers_only = false) {
+  HostTimer timer("cpu handler");  // decode and rendezvous; the copies run at the last arrival
   OpSpec spec;
   std::vector<int64_t> ids;
   ffi::Error decoded = DecodeOp(op, device, x.size_bytes(), out_bytes, groups, group_size,

@@ -18,6 +18,7 @@
 #include "cuda_executor.h"
 #include "handler_common.h"
 #include "handlers.h"
+#include "host_profile.h"
 #include "plan.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -51,6 +52,7 @@ ffi::ErrorCode CodeFor(ErrorKind k) {
 ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffer x,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                    int64_t group_size, ffi::Span<const int64_t> permute_dst) {
+  HostTimer timer("collective");
   static const bool debug = [] {
     const char* v = std::getenv("JAX_HOCCL_DEBUG");
     return v && *v && std::strcmp(v, "0") != 0;
@@ -127,6 +129,7 @@ ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, ffi::An
                      void* out_data, size_t out_bytes, ffi::Span<const int64_t> groups,
                      int64_t group_size, ffi::Span<const int64_t> permute_dst, int64_t site,
                      bool peers_only) {
+  HostTimer timer("start");
   AsyncState& a = AsyncStateFor(device);
   cudaError_t e;
   if (!a.stream) {
@@ -196,6 +199,7 @@ ffi::Error PermuteStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
 
 ffi::Error DoneCuda(cudaStream_t xla_stream, int32_t device, ffi::RemainingArgs,
                     ffi::RemainingRets, int64_t site) {
+  HostTimer timer("done");
   AsyncState& a = AsyncStateFor(device);
   auto it = a.pending.find(site);
   if (it == a.pending.end() || it->second.empty())

@@ -23,6 +23,7 @@
 
 #include "group.h"
 #include "handlers.h"
+#include "host_profile.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -176,6 +177,7 @@ ffi::Error RowsMatmulCuda(cudaStream_t stream, int32_t device, ffi::RemainingArg
                           ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                           int64_t group_size, int64_t shift, int64_t block_rows,
                           int64_t piece_row0, int64_t rows, int64_t out_row0, int64_t has_c) {
+  HostTimer timer("rows_matmul");
   auto fail = [](const std::string& m) {
     return ffi::Error::InvalidArgument("jax_hoccl rows_matmul: " + m);
   };

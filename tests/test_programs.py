@@ -301,3 +301,39 @@ def test_same_call_site_many_times_in_one_program():
   deadlock (its handlers block no thread)."""
   res, _ = run_script(_SAME_SITE_SCRIPT)
   assert res["bad"] == 0, f"{res['bad']} of {res['of']} results wrong ({res['sites']} site ids)"
+
+
+# ------------------------------------------------------------ host-time profile
+_PROFILE_SCRIPT = textwrap.dedent("""
+    import json, os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["PJRT_NPROC"] = "16"
+    import numpy as np, jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jax_hoccl as hc
+    from jax_hoccl import _hoccl
+    mesh = jax.make_mesh((8,), ("x",))
+    f = jax.jit(jax.shard_map(lambda a: hc.all_gather(a, "x", tiled=True), mesh=mesh,
+                              in_specs=P("x"), out_specs=P("x")))
+    x = jax.device_put(np.arange(64, dtype=np.float32), NamedSharding(mesh, P("x")))
+    jax.block_until_ready(f(x))
+    first = _hoccl.host_profile(reset=True)
+    for _ in range(3):
+      jax.block_until_ready(f(x))
+    after = _hoccl.host_profile()
+    print("RESULT" + json.dumps(dict(first=first, after=after, cleared=_hoccl.host_profile())))
+""")
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_host_profile_counts_handler_calls(enabled):
+  """JAX_HOCCL_PROFILE=1 counts every handler call (8 devices x 3 launches after a reset) with
+  its host time; without it nothing is counted."""
+  res, _ = run_script(_PROFILE_SCRIPT, env_extra={"JAX_HOCCL_PROFILE": "1" if enabled else "0"})
+  if not enabled:
+    assert res["first"] == [] and res["after"] == []
+    return
+  assert [p for p, _, _ in res["first"]] == ["cpu handler"] and res["first"][0][1] == 8
+  (phase, calls, ns), = res["after"]
+  assert phase == "cpu handler" and calls == 24 and ns > 0
+  assert res["cleared"] == res["after"]  # reading without reset keeps the counts

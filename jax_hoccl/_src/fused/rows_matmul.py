@@ -57,6 +57,12 @@ def cublaslt_enabled() -> bool:
   return os.environ.get("JAX_HOCCL_CUBLASLT", "1") not in ("", "0")
 
 
+def runs_on_cublaslt(dtype, k: int, n: int) -> bool:
+  """Whether a rows_matmul of x [., k] (dtype) @ w [k, n] is one cuBLASLt call on GPU (rows
+  of 16-byte multiples keep every offset row aligned for cuBLASLt's kernels)."""
+  return cublaslt_enabled() and np.dtype(dtype) in CUBLASLT_DTYPES and k % 8 == 0 and n % 8 == 0
+
+
 @functools.cache
 def _preload_cublaslt() -> None:
   """cc/rows_matmul_cuda.cc finds cuBLASLt in the process by soname. XLA loads it for its own
@@ -82,9 +88,7 @@ def _cuda_lowering(ctx, x, w, *rest, axes, axis_size, shift, block_rows, piece_r
                 piece_row0=piece_row0, rows=rows, out_rows=out_rows, out_row0=out_row0,
                 has_c=has_c, has_into=has_into)
   k, n_out = ctx.avals_in[1].shape
-  if (not cublaslt_enabled() or np.dtype(ctx.avals_in[0].dtype) not in CUBLASLT_DTYPES
-      or k % 8 or n_out % 8):
-    # (rows of 16-byte multiples keep every offset row aligned for cuBLASLt's kernels)
+  if not runs_on_cublaslt(ctx.avals_in[0].dtype, k, n_out):
     return ji.lower_fun(_reference, multiple_results=False)(ctx, x, w, *rest, **params)
   _preload_cublaslt()
   attrs = axes_lib.ffi_group_attrs(ctx, axes, "rows_matmul", 0)
