@@ -125,9 +125,6 @@ def bench_fused(mesh, quick=False):
     record("matmul_reduce_scatter", shape, lambda x, w: x @ w, (x, w), {
         "jax_hoccl.matmul_reduce_scatter":
             lambda x, w: jax_hoccl.matmul_reduce_scatter(x, w, "x"),
-        **({} if quick else {"jax_hoccl.matmul_reduce_scatter JAX_HOCCL_CUBLASLT=0 (XLA's dots)": (
-            lambda x, w: jax_hoccl.matmul_reduce_scatter(x, w, "x"),
-            {"JAX_HOCCL_CUBLASLT": "0"})}),
         "jax.lax matmul+psum_scatter": lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True),
     }, (x, w), specs)
     # matmul_psum's default piece schedule, then other schedules for comparison (the rows of

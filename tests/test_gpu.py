@@ -244,19 +244,3 @@ def test_matmul_psum_ring_on_gpu(mesh, chunks, dtype, cublaslt, monkeypatch):
   b = run(ref)
   scale = np.abs(b).max()
   assert scale > 0 and np.abs(a - b).max() <= 2e-2 * scale, np.abs(a - b).max() / scale
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_matmul_reduce_scatter_ring_cublaslt_on_gpu(mesh, dtype, monkeypatch):
-  """matmul_reduce_scatter as the ring of cuBLASLt rows_matmuls (the default for bf16/f16)."""
-  monkeypatch.setenv("JAX_HOCCL_CUBLASLT", "1")
-  n = len(GPUS)
-  x, w = _rand((1024, 256 * n), dtype, 23), _rand((256 * n, 4096), dtype, 24)
-  specs = (P(None, "x"), P("x"))
-  args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)]
-  run = lambda f: np.asarray(jax.jit(jax.shard_map(  # noqa: E731
-      f, mesh=mesh, in_specs=specs, out_specs=P("x")))(*args)).astype(np.float32)
-  a = run(lambda x, w: jax_hoccl.matmul_reduce_scatter(x, w, "x"))
-  b = run(lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True))
-  scale = np.abs(b).max()
-  assert scale > 0 and np.abs(a - b).max() <= 2e-2 * scale, np.abs(a - b).max() / scale

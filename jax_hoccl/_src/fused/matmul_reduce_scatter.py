@@ -3,11 +3,10 @@ tiled=True), with the exchange hidden behind the matmul: the partial product for
 computed and sent (copy engines) while XLA computes the next one; this rank's own partial
 is computed last, then the received partials are summed (the row-parallel linear layer).
 
-For bf16/f16 on GPU (rows_matmul's cuBLASLt path; JAX_HOCCL_CUBLASLT=0 turns it off) it
-runs as a ring instead (ring.py): pieces of the partial sums travel rank to rank, each GEMM a
-rows_matmul that reads x's rows in place, adds the received partial in its epilogue and
-writes the last step's pieces straight into the output (no slice copies, sum kernel or
-concatenate). With XLA's dot the ring lost: XLA merged its pieces back into one GEMM.
+(A ring of pieces whose GEMMs add the received partial in their epilogue, ring.py with
+rows_matmul's cuBLASLt GEMMs, was measured on 2x H200 against this form in one run: 1.10x /
+1.13x the GEMM at M = 4096 / 16384 against this form's 1.11x / 1.10x, so it was dropped; its
+code, with the ordering its last step needs, is commit 4b04e51.)
 
 Backward: dx = all_gather_matmul(ct, w.T) (overlapped), dw = x.T @ all_gather(ct).
 """
@@ -15,35 +14,17 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
-from jax_hoccl._src.fused import pipeline, ring
-from jax_hoccl._src.fused.rows_matmul import runs_on_cublaslt
+from jax_hoccl._src.fused import pipeline
 from jax_hoccl._src.ops import common
-
-
-def _ring(x, w, axes, n):
-  rows = x.shape[0] // n
-  inner = int(np.prod(x.shape[1:-1], dtype=np.int64))  # rows of x2 per row of x
-  pieces = ring.row_pieces(rows, inner * w.shape[1] * x.dtype.itemsize, None,
-                           "matmul_reduce_scatter")
-  if len(pieces) == 1 and rows % 2 == 0:
-    pieces = (rows // 2, rows // 2)  # one piece would wait for the whole transfer
-  starts = np.concatenate([[0], np.cumsum(pieces)[:-1]])
-  out, _ = ring.reduce_scatter_ring(
-      x.reshape(-1, x.shape[-1]), w, axes, n, [r * inner for r in pieces],
-      lambda p: (rows * inner, int(starts[p]) * inner), final_rows=rows * inner)
-  return out.reshape(rows, *x.shape[1:-1], w.shape[1])
 
 
 def multiply_and_scatter(x, w, axes, n):
   if n == 1:
     return x @ w
-  if runs_on_cublaslt(x.dtype, *w.shape):  # (on CPU too, where its GEMMs are XLA's)
-    return _ring(x, w, axes, n)
   rows = x.shape[0] // n
 
   def partial_for(j, x):

@@ -25,9 +25,9 @@ from jax_hoccl._src.ops import async_collectives as ac
 # Every piece costs a ppermute and an all-gather on the async stream, each ~30-60 us of fixed
 # handshakes, and small GEMMs lose efficiency; too few pieces expose a big last transfer.
 # Measured on 2x H200 with rows_matmul's cuBLASLt GEMMs, K/n=4096, N=8192 bf16
-# (benchmarks/results/2026-11-30-2xNVIDIA-H200-fused.json, one interleaved run): a 32 MiB
-# block in 2 / 4 / 8 pieces took 1.27 / 1.23 / 1.62x the GEMM, a 128 MiB block 1.30 / 1.26 /
-# 1.26x; so pieces of ~8 MiB, at most 8.
+# (benchmarks/results/2026-11-30-2xNVIDIA-H200-fused.json and raw/*session3-fused*, two
+# interleaved runs): a 32 MiB block in 2 / 4 / 8 pieces took 1.27-1.29 / 1.23-1.27 / 1.61x
+# the GEMM, a 128 MiB block 1.29-1.30 / 1.26 / 1.25-1.26x; so pieces of ~8 MiB, at most 8.
 PIECE_BYTES = 8 << 20
 MAX_PIECES = 8
 
@@ -68,15 +68,6 @@ class Overlap:
     tree, self.token = jax.lax.optimization_barrier((tree, self.token))
     return tree
 
-  def after(self, tree):
-    """`tree` (just computed) through the barrier with the token: the next done is ordered
-    after it. Without this XLA hoisted the last step's dones above the GEMM before them
-    (nothing starts in between there), exposing a whole transfer."""
-    if self.token is None:
-      return tree
-    tree, self.token = jax.lax.optimization_barrier((tree, self.token))
-    return tree
-
   def start(self, pending: ac.Pending) -> ac.Pending:
     self.token = pending.token
     return pending
@@ -93,28 +84,22 @@ class Overlap:
 
 
 def reduce_scatter_ring(x, w, axes, n: int, pieces: Sequence[int], layout: Callable,
-                        on_sum: Callable | None = None, final_rows: int | None = None):
+                        on_sum: Callable | None = None):
   """My block of x @ w summed over the ranks, in pieces.
 
   x is 2-D [M, K]. layout(p) -> (block_rows, piece_row0): piece p (pieces[p] rows) of block b
-  starts at x's row b * block_rows + piece_row0. With final_rows, the summed pieces are written
-  in place into one [final_rows, N] array, piece p at rows [O_p, O_p + pieces[p]) (returned);
-  else each is its own array, passed to on_sum(p, summed, overlap) as it is ready (to start
-  sending it) and returned in a list. Also returns the Overlap (for what follows)."""
+  starts at x's row b * block_rows + piece_row0. Each summed piece is its own array, passed to
+  on_sum(p, summed, overlap) as it is ready (to start sending it) and returned in a list.
+  Also returns the Overlap (for what follows)."""
   ov = Overlap()
   to_next = [(i, (i + 1) % n) for i in range(n)]
-  offsets = [sum(pieces[:p]) for p in range(len(pieces))]
-  in_flight, mine, out = {}, [], None
+  in_flight, mine = {}, []
   for s in range(n):
     for p, rows in enumerate(pieces):
       block_rows, piece_row0 = layout(p)
       received = ov.done(in_flight.pop(p)) if s > 0 else None  # added in the GEMM's epilogue
       args = dict(shift=n - s - 1, block_rows=block_rows, piece_row0=piece_row0, rows=rows,
                   c=received)
-      if s == n - 1 and final_rows is not None:
-        out = ov.after(rows_matmul(ov.inputs(x), w, axes, n, into=out, out_rows=final_rows,
-                                   out_row0=offsets[p], **args))
-        continue
       part = rows_matmul(ov.inputs(x), w, axes, n, **args)
       if s < n - 1:
         in_flight[p] = ov.start(ac.ppermute_start(part, axes, to_next))
@@ -122,4 +107,4 @@ def reduce_scatter_ring(x, w, axes, n: int, pieces: Sequence[int], layout: Calla
         mine.append(part)
         if on_sum is not None:
           on_sum(p, part, ov)
-  return (out if final_rows is not None else mine), ov
+  return mine, ov
