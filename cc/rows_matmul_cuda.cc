@@ -3,9 +3,7 @@
 // through pointer offsets. The fused ops use it where XLA's own dot would need a dynamic-slice
 // copy of x, a separate kernel for "+ received partial" and a concatenate of the pieces
 // (DESIGN change, session 2: those three were most of matmul_reduce_scatter's / matmul_psum's
-// overhead on H200). Both row ranges depend on the rank:
-//   x_row0   = ((rank + shift) % n) * block_rows + piece_row0,
-//   out_row0 = ((rank + out_shift) % n) * out_block_rows + out_piece_row0.
+// overhead on H200). x_row0 depends on the rank: ((rank + shift) % n) * block_rows + piece_row0.
 //
 // cuBLASLt is not linked: it is resolved at run time from the process (XLA loaded it) or by
 // soname, and declared here with the few types this file needs (the build machine has no
@@ -178,8 +176,7 @@ int CudaType(ffi::DataType t) {
 ffi::Error RowsMatmulCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
                           ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                           int64_t group_size, int64_t shift, int64_t block_rows,
-                          int64_t piece_row0, int64_t rows, int64_t out_shift,
-                          int64_t out_block_rows, int64_t out_piece_row0, int64_t has_c) {
+                          int64_t piece_row0, int64_t rows, int64_t out_row0, int64_t has_c) {
   HostTimer timer("rows_matmul");
   auto fail = [](const std::string& m) {
     return ffi::Error::InvalidArgument("jax_hoccl rows_matmul: " + m);
@@ -200,9 +197,8 @@ ffi::Error RowsMatmulCuda(cudaStream_t stream, int32_t device, ffi::RemainingArg
   GroupPosition pos;
   std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
   if (!err.empty()) return fail(err);
-  auto block_of = [&](int64_t s) { return ((pos.rank + s) % group_size + group_size) % group_size; };
-  const int64_t x_row0 = block_of(shift) * block_rows + piece_row0;
-  const int64_t out_row0 = block_of(out_shift) * out_block_rows + out_piece_row0;
+  const int64_t x_row0 = ((pos.rank + shift) % group_size + group_size) % group_size * block_rows +
+                         piece_row0;
   if (rows <= 0 || x_row0 + rows > xd[0] || out_row0 < 0 || out_row0 + rows > od[0])
     return fail("rows out of range");
   const void* c = nullptr;
@@ -261,9 +257,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kRowsMatmulCuda, RowsMatmulCuda,
                                   .Attr<int64_t>("block_rows")
                                   .Attr<int64_t>("piece_row0")
                                   .Attr<int64_t>("rows")
-                                  .Attr<int64_t>("out_shift")
-                                  .Attr<int64_t>("out_block_rows")
-                                  .Attr<int64_t>("out_piece_row0")
+                                  .Attr<int64_t>("out_row0")
                                   .Attr<int64_t>("has_c"));
 
 }  // namespace hoccl

@@ -411,33 +411,6 @@ def test_lowers_to_hoccl_only(case, check_vma):
 # The ring's structure: GEMMs do the sums, copy engines assemble the output
 # ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mesh_id", ["tp2", "tp4"])
-def test_all_gather_matmul_writes_rank_rows(mesh_id):
-  """bf16 all_gather_matmul (K, N multiples of 8): each block's GEMM writes its rank's rows of
-  the output (rows_matmul with a rank-dependent output offset), equal to jax.lax in values and
-  gradients; lowered for CUDA it is n rows_matmuls and no dot, concatenate or roll."""
-  mesh = MESHES[mesh_id]
-  n, d = mesh.shape["tp"], mesh.shape["dp"]
-  rng = np.random.default_rng(7)
-  x = put(mesh, rand(rng, (n * 4, d, 16), jnp.bfloat16), P("tp", "dp", None))  # local [4, 1, 16]
-  w = put(mesh, rand(rng, (16, n * 8), jnp.bfloat16), P(None, "tp"))
-  specs = (x.sharding.spec, w.sharding.spec)
-  sm = lambda f: jax.shard_map(f, mesh=mesh, in_specs=specs,  # noqa: E731
-                               out_specs=P(None, "dp", "tp"))
-  ours = sm(lambda x, w: hc.all_gather_matmul(x, w, "tp"))
-  ref = sm(lambda x, w: jax.lax.all_gather(x, "tp", tiled=True) @ w)
-  assert_close(jax.jit(ours)(x, w), jax.jit(ref)(x, w), jnp.bfloat16, name="agmm rows")
-  loss = lambda f: jax.jit(jax.grad(  # noqa: E731
-      lambda a, b: jnp.sum(jnp.sin(f(a, b).astype(jnp.float32))), argnums=(0, 1)))(x, w)
-  for g1, g2 in zip(loss(ours), loss(ref)):
-    assert_close(g1, g2, jnp.bfloat16, name="agmm rows grad")
-  if hc.with_cuda:  # lowering for CUDA needs the CUDA engine's build
-    cuda = jax.jit(ours).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-    assert cuda.count("@hoccl_rows_matmul(") == n
-    for op in ("stablehlo.concatenate", "stablehlo.dot_general", "dynamic_slice"):
-      assert op not in cuda, op
-
-
 @pytest.mark.parametrize("cublaslt", [False, True])
 @pytest.mark.parametrize("chunks", [2, (2, 1, 1)])
 def test_ring_structure(chunks, cublaslt, monkeypatch):

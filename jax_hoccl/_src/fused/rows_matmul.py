@@ -1,7 +1,6 @@
 """rows_matmul: out[out_row0 : out_row0 + rows] = x[x_row0 : x_row0 + rows] @ w (+ c), the
 GEMM the fused ops' pipelines are built from; x_row0 = ((rank + shift) % n) * block_rows +
-piece_row0 picks this rank's rows of x, out_row0 = ((rank + out_shift) % n) * out_block_rows +
-out_row0 the rows of the output they land in.
+piece_row0 picks this rank's rows.
 
 On GPU, for bf16/f16, it is one cuBLASLt call (cc/rows_matmul_cuda.cc) that reads x's rows
 and writes the output's rows through pointer offsets: no copy of x's rows, `+ c` (a received
@@ -31,7 +30,7 @@ CUBLASLT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
 def _abstract_eval(x, w, *rest, axes, axis_size, shift, block_rows, piece_row0, rows, out_rows,
-                   out_shift, out_block_rows, out_row0, has_c, has_into):
+                   out_row0, has_c, has_into):
   vma = set().union(*(ji.varying_axes(a) for a in (x, w, *rest)))
   if has_into:
     return ji.with_type(rest[-1], rest[-1].shape, vma)
@@ -39,17 +38,15 @@ def _abstract_eval(x, w, *rest, axes, axis_size, shift, block_rows, piece_row0, 
 
 
 def _reference(x, w, *rest, axes, axis_size, shift, block_rows, piece_row0, rows, out_rows,
-               out_shift, out_block_rows, out_row0, has_c, has_into):
+               out_row0, has_c, has_into):
   r = jax.lax.axis_index(axes[0] if len(axes) == 1 else axes)
   start = ((r + shift) % axis_size) * block_rows + piece_row0
   y = jax.lax.dynamic_slice_in_dim(x, start, rows, axis=0) @ w
   if has_c:
     y = y + rest[0]
-  if not has_into and not out_block_rows:
-    return jnp.pad(y, ((out_row0, out_rows - out_row0 - rows), (0, 0)))
-  into = rest[-1] if has_into else jnp.zeros((out_rows, y.shape[1]), y.dtype)
-  out_start = ((r + out_shift) % axis_size) * out_block_rows + out_row0
-  return jax.lax.dynamic_update_slice_in_dim(into, y, out_start, axis=0)
+  if has_into:
+    return jax.lax.dynamic_update_slice_in_dim(rest[-1], y, out_row0, axis=0)
+  return jnp.pad(y, ((out_row0, out_rows - out_row0 - rows), (0, 0)))
 
 
 def cublaslt_enabled() -> bool:
@@ -86,11 +83,10 @@ def _preload_cublaslt() -> None:
 
 
 def _cuda_lowering(ctx, x, w, *rest, axes, axis_size, shift, block_rows, piece_row0, rows,
-                   out_rows, out_shift, out_block_rows, out_row0, has_c, has_into):
+                   out_rows, out_row0, has_c, has_into):
   params = dict(axes=axes, axis_size=axis_size, shift=shift, block_rows=block_rows,
-                piece_row0=piece_row0, rows=rows, out_rows=out_rows, out_shift=out_shift,
-                out_block_rows=out_block_rows, out_row0=out_row0, has_c=has_c,
-                has_into=has_into)
+                piece_row0=piece_row0, rows=rows, out_rows=out_rows, out_row0=out_row0,
+                has_c=has_c, has_into=has_into)
   k, n_out = ctx.avals_in[1].shape
   if not runs_on_cublaslt(ctx.avals_in[0].dtype, k, n_out):
     return ji.lower_fun(_reference, multiple_results=False)(ctx, x, w, *rest, **params)
@@ -101,8 +97,7 @@ def _cuda_lowering(ctx, x, w, *rest, axes, axis_size, shift, block_rows, piece_r
   return ffi_lower("hoccl_rows_matmul", "rows_matmul", ctx, x, w, *rest, **attrs,
                    shift=np.int64(shift), block_rows=np.int64(block_rows),
                    piece_row0=np.int64(piece_row0), rows=np.int64(rows),
-                   out_shift=np.int64(out_shift), out_block_rows=np.int64(out_block_rows),
-                   out_piece_row0=np.int64(out_row0), has_c=np.int64(has_c),
+                   out_row0=np.int64(out_row0), has_c=np.int64(has_c),
                    lowering_args=dict(operand_output_aliases=aliases))
 
 
@@ -118,14 +113,12 @@ ji.register_lowering(rows_matmul_p, _cuda_lowering, platform="cuda")
 
 
 def rows_matmul(x, w, axes, n, *, shift, block_rows, piece_row0, rows, c=None, into=None,
-                out_rows=None, out_shift=0, out_block_rows=0, out_row0=0):
-  """x [M, K] (2-D), w [K, N]. Returns `into` with rows [o, o + rows) set (into is donated),
-  or a new [out_rows or rows, N] array with only those rows defined, where
-  o = ((rank + out_shift) % n) * out_block_rows + out_row0."""
+                out_rows=None, out_row0=0):
+  """x [M, K] (2-D), w [K, N]. Returns `into` with rows [out_row0, out_row0 + rows) set (into
+  is donated), or a new [out_rows or rows, N] array with only those rows defined."""
   rest = tuple(a for a in (c, into) if a is not None)
   return rows_matmul_p.bind(
       x, w, *rest, axes=tuple(axes), axis_size=int(n), shift=int(shift) % int(n),
       block_rows=int(block_rows), piece_row0=int(piece_row0), rows=int(rows),
       out_rows=int(into.shape[0] if into is not None else (out_rows or rows)),
-      out_shift=int(out_shift) % int(n), out_block_rows=int(out_block_rows),
       out_row0=int(out_row0), has_c=c is not None, has_into=into is not None)
