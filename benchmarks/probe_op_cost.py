@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 os.environ.setdefault("JAX_HOCCL_PROFILE", "1")
 import numpy as np  # noqa: E402
@@ -20,8 +19,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_hoccl  # noqa: E402
 from jax_hoccl import _hoccl  # noqa: E402
+from bench import time_call  # noqa: E402
 
 K = 32
 
@@ -50,13 +51,7 @@ def variants(n):
 
 
 def median_wall(f, args, repeats=7):
-  jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts))
+  return time_call(lambda a: f(*a), args, repeats)
 
 
 def main():
@@ -64,7 +59,7 @@ def main():
   mesh = jax.make_mesh((len(jax.devices()),), ("x",))
   n = mesh.shape["x"]
   rng = np.random.default_rng(0)
-  gemm_n = 2048
+  gemm_n = int(os.environ.get("PROBE_GEMM_N", 2048))  # the GEMM each op hides behind
   a = jax.device_put(rng.standard_normal((n * gemm_n, gemm_n), dtype=np.float32).astype(jnp.bfloat16),
                      NamedSharding(mesh, P("x")))
   smap = lambda body, specs: jax.jit(jax.shard_map(  # noqa: E731

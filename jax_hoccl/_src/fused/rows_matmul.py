@@ -4,10 +4,11 @@ piece_row0 picks this rank's rows.
 
 On GPU, for bf16/f16, it is one cuBLASLt call (cc/rows_matmul_cuda.cc) that reads x's rows
 and writes the output's rows through pointer offsets: no copy of x's rows, `+ c` (a received
-partial sum) in the GEMM's epilogue instead of a kernel, and the rows written in place into a
-buffer chained from call to call (`into`), so pieces need no concatenate. With XLA's own dot
-the fused ops paid for all three (measured on H200: most of their overhead over the GEMM
-alone). Otherwise (JAX_HOCCL_CUBLASLT=0; CPU; f32 and other dtypes) it lowers to XLA's
+partial sum) in the GEMM's epilogue instead of a kernel, and optionally the rows written in
+place into a buffer chained from call to call (`into`, so pieces need no concatenate; no fused
+op uses it since matmul_reduce_scatter's ring was dropped, commit 4b04e51 has that user).
+With XLA's own dot matmul_psum paid for the copies and the adds (measured on H200: most of
+its overhead over the GEMM alone). Otherwise (JAX_HOCCL_CUBLASLT=0; CPU; f32 and other dtypes) it lowers to XLA's
 dynamic_slice, dot, add and dynamic_update_slice: the same values.
 """
 from __future__ import annotations
@@ -51,8 +52,9 @@ def _reference(x, w, *rest, axes, axis_size, shift, block_rows, piece_row0, rows
 
 def cublaslt_enabled() -> bool:
   """On unless JAX_HOCCL_CUBLASLT=0 (read when a program is lowered). Inside matmul_psum's
-  ring on 2x H200 the cuBLASLt path took 1.25x / 1.32x the GEMM alone at M = 4096 / 16384,
-  against 1.36x / 1.37x with XLA's dot + add (benchmarks/results/*-fused.json): XLA copies
+  ring on 2x H200 the cuBLASLt path took 1.24-1.28x / 1.21-1.24x the GEMM alone at
+  M = 4096 / 16384 in three runs, against 1.35-1.38x / 1.39-1.42x with XLA's dot + add
+  (benchmarks/results/2026-11-30-2xNVIDIA-H200-fused.json, raw/*session3-fused*): XLA copies
   x's row slices, runs the adds as separate kernels and merges pieces back together."""
   return os.environ.get("JAX_HOCCL_CUBLASLT", "1") not in ("", "0")
 
