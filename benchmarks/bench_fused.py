@@ -140,6 +140,10 @@ def bench_fused(mesh, quick=False):
         **({} if quick else {"jax_hoccl.matmul_psum JAX_HOCCL_CUBLASLT=0 (XLA's dots)": (
             lambda x, w: jax_hoccl.matmul_psum(x, w, "x"),
             {"JAX_HOCCL_CUBLASLT": "0"})}),
+        # the exchanges spread over several async streams (copy engines) instead of one
+        **({} if quick else {f"jax_hoccl.matmul_psum chunks={c} JAX_HOCCL_ASYNC_STREAMS={s}": (
+            lambda x, w, c=c: jax_hoccl.matmul_psum(x, w, "x", chunks=c),
+            {"JAX_HOCCL_ASYNC_STREAMS": s}) for c in (None, 8) for s in ("2", "3")}),
         "jax.lax matmul+psum": lambda x, w: jax.lax.psum(x @ w, "x"),
     }, (x, w), specs)
 

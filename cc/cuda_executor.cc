@@ -233,7 +233,7 @@ struct RankState {
   std::mutex mu;
   bool ready = false;
   std::string setup_error;              // a failed setup is final
-  uint64_t* flags = nullptr;            // mine: [ready_from[n], done_from[n]]
+  uint64_t* flags = nullptr;            // mine: kLanes x [ready_from[n], done_from[n]]
   std::vector<uint64_t*> peer_flags;    // every rank's flag array, by rank
 };
 
@@ -275,7 +275,7 @@ std::string SetupRank(RankState& st, PeerTransport& transport, const OpSpec& spe
   const char* op = OpName(spec.op);
   std::string err;
   // Allocate and zero my flags before anyone can learn their address.
-  size_t bytes = (2 * static_cast<size_t>(n) * sizeof(uint64_t) + 255) / 256 * 256;
+  size_t bytes = (kLanes * 2 * static_cast<size_t>(n) * sizeof(uint64_t) + 255) / 256 * 256;
   void* p = nullptr;
   cudaError_t e = cudaMalloc(&p, bytes);
   if (e != cudaSuccess) err = CudaError("cudaMalloc(flags)", e);
@@ -316,17 +316,19 @@ struct CallContext {
   void* output;
   const RankState& st;
   uint64_t value;  // flag value of this call (sequence + 1)
+  int lane;        // which row of every flag array (cuda_executor.h: kLanes)
 };
 
+size_t Row(const CallContext& c) { return 2 * static_cast<size_t>(c.spec.group_size) * c.lane; }
 uint64_t* ReadyFlagAt(const CallContext& c, int reader) {  // in reader's array: ready_from[me]
-  return c.st.peer_flags[reader] + c.spec.rank;
+  return c.st.peer_flags[reader] + Row(c) + c.spec.rank;
 }
 uint64_t* DoneFlagAt(const CallContext& c, int owner) {  // in owner's array: done_from[me]
-  return c.st.peer_flags[owner] + c.spec.group_size + c.spec.rank;
+  return c.st.peer_flags[owner] + Row(c) + c.spec.group_size + c.spec.rank;
 }
-uint64_t* MyReadyFrom(const CallContext& c, int owner) { return c.st.flags + owner; }
+uint64_t* MyReadyFrom(const CallContext& c, int owner) { return c.st.flags + Row(c) + owner; }
 uint64_t* MyDoneFrom(const CallContext& c, int reader) {
-  return c.st.flags + c.spec.group_size + reader;
+  return c.st.flags + Row(c) + c.spec.group_size + reader;
 }
 
 std::string Copy(const CallContext& c, const Step& s, cudaStream_t stream) {
@@ -439,11 +441,12 @@ std::string CurrentDevice(cudaStream_t stream, int* device) {
 }  // namespace
 
 ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream,
-                     const void* input, void* output) {
+                     const void* input, void* output, int lane) {
   const char* op = OpName(spec.op);
   std::string err = comm.Broken();
   if (!err.empty()) return {ErrorKind::kDeadline, err};
   err = ValidateSpec(spec);
+  if (err.empty() && (lane < 0 || lane >= kLanes)) err = "lane " + std::to_string(lane) + " out of range";
   if (!err.empty()) return {ErrorKind::kInvalidArgument, std::string("jax_hoccl ") + op + ": " + err};
   HOCCL_TRACE("%s rank %d/%d: enter, %zu bytes, stream %p, in %p out %p\n", op, spec.rank,
               spec.group_size, spec.bytes, static_cast<void*>(stream), input, output);
@@ -504,7 +507,7 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   HOCCL_TRACE("%s rank %d: seq %llu rendezvous done, %zu steps, multi %d\n", op, r,
               static_cast<unsigned long long>(seq), steps.size(), multi ? 1 : 0);
 
-  CallContext ctx{api, spec, steps, stream, inputs, output, st, seq + 1};
+  CallContext ctx{api, spec, steps, stream, inputs, output, st, seq + 1, lane};
   HostTimer enqueue_timer(multi ? "enqueue multi-stream" : "enqueue one stream");
   if (multi) {
     DeviceResources& res = ResourcesFor(device);

@@ -12,9 +12,9 @@
 // handles + staging buffers) can replace it later.
 //
 // Flags of rank r (uint64, n = group size, on r's device), values are call sequence + 1 and
-// only ever grow, so nothing is reset:
-//   flags[p]      ready_from[p]: owner p's input for this call may be read (written by p)
-//   flags[n + p]  done_from[p] : reader p finished reading my input (written by p)
+// only ever grow, so nothing is reset. One row of 2n flags per lane (see kLanes):
+//   flags[2n*lane + p]      ready_from[p]: owner p's input for this call may be read (by p)
+//   flags[2n*lane + n + p]  done_from[p] : reader p finished reading my input (written by p)
 #ifndef JAX_HOCCL_CUDA_EXECUTOR_H_
 #define JAX_HOCCL_CUDA_EXECUTOR_H_
 
@@ -43,6 +43,16 @@ constexpr int kLargeMessageChannels = 3;
 // Microseconds a handler spins on the host rendezvous before blocking on a condition variable;
 // env JAX_HOCCL_SPIN_US overrides (0 = never spin).
 constexpr long long kDefaultSpinMicros = 200;
+
+// A wait on a flag (value >= this call's) means "the peer's call of this sequence number, or
+// a later one, got there"; that implies this call only if the peer runs the calls that share
+// the flag in order, i.e. on one stream. So every stream that runs collectives concurrently
+// has its own row of flags, a lane: lane 0 for the calls on XLA's stream, lanes 1.. for the
+// async starts' streams. (With one row, a collective on XLA's stream between an async start
+// and its done could raise a peer's "done" flag before the start's copies had finished
+// reading, and XLA could reuse that buffer too early.) Every rank puts a call in the same lane.
+constexpr int kMaxAsyncLanes = 4;
+constexpr int kLanes = 1 + kMaxAsyncLanes;
 
 enum class ErrorKind { kNone, kInvalidArgument, kDeadline, kInternal, kUnavailable };
 
@@ -92,10 +102,11 @@ class DirectTransport : public PeerTransport {
   Communicator& comm_;
 };
 
-// Enqueues `spec` for spec.rank on `stream` (XLA's stream of the current device). Returns once
-// everything is enqueued; by then the host rendezvous with every involved peer has happened.
+// Enqueues `spec` for spec.rank on `stream` (XLA's stream of the current device, lane 0, or
+// an async start's stream, its lane). Returns once everything is enqueued; by then the host
+// rendezvous with every involved peer has happened.
 ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream,
-                     const void* input, void* output);
+                     const void* input, void* output, int lane = 0);
 
 }  // namespace hoccl
 

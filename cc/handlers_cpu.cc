@@ -83,7 +83,7 @@ ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, ffi::AnyBuffe
 ffi::Future AllGatherStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
                               ffi::Span<const int64_t> groups, int64_t group_size,
-                              int64_t peers_only, int64_t /*site*/) {
+                              int64_t peers_only, int64_t /*stream: GPU only*/, int64_t /*site*/) {
   return RunCpu(OpKind::kAllGather, device, call, x, out->untyped_data(), out->size_bytes(),
                 groups, group_size, {}, peers_only != 0);
 }
@@ -92,7 +92,7 @@ ffi::Future AllGatherStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
 ffi::Future AllGatherIntoStartCpu(int32_t device, CpuCall* call, ffi::RemainingArgs args,
                                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
                                   ffi::Span<const int64_t> groups, int64_t group_size,
-                                  int64_t offset, int64_t /*site*/) {
+                                  int64_t offset, int64_t /*stream: GPU only*/, int64_t /*site*/) {
   auto into = DecodeInto(args, *out, group_size, offset);
   if (into.has_error()) return Failed(into.error());
   return RunCpu(OpKind::kAllGather, device, call, into->x, into->dst, into->bytes, groups,
@@ -101,14 +101,14 @@ ffi::Future AllGatherIntoStartCpu(int32_t device, CpuCall* call, ffi::RemainingA
 ffi::Future AllToAllStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
                              ffi::Span<const int64_t> groups, int64_t group_size,
-                             int64_t /*site*/) {
+                             int64_t /*stream: GPU only*/, int64_t /*site*/) {
   return RunCpu(OpKind::kAllToAll, device, call, x, out->untyped_data(), out->size_bytes(),
                 groups, group_size, {});
 }
 ffi::Future PermuteStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
                             ffi::Span<const int64_t> groups, int64_t group_size,
-                            ffi::Span<const int64_t> permute_dst, int64_t /*site*/) {
+                            ffi::Span<const int64_t> permute_dst, int64_t /*stream: GPU only*/, int64_t /*site*/) {
   return RunCpu(OpKind::kPermute, device, call, x, out->untyped_data(), out->size_bytes(),
                 groups, group_size, permute_dst);
 }
@@ -148,6 +148,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCpu, AllGatherStartCpu,
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("peers_only")
+                                  .Attr<int64_t>("stream")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherIntoStartCpu, AllGatherIntoStartCpu,
                               ffi::Ffi::Bind()
@@ -159,6 +160,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherIntoStartCpu, AllGatherIntoStartCpu,
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("stream")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCpu, AllToAllStartCpu,
                               ffi::Ffi::Bind()
@@ -169,6 +171,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCpu, AllToAllStartCpu,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("stream")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCpu, PermuteStartCpu,
                               ffi::Ffi::Bind()
@@ -180,6 +183,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCpu, PermuteStartCpu,
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<ffi::Span<const int64_t>>("permute_dst")
+                                  .Attr<int64_t>("stream")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kInstantiateCpuCall, InstantiateCpuCall,
                               ffi::Ffi::BindInstantiate().Attrs());

@@ -95,12 +95,17 @@ ffi::Error PermuteCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   return RunCuda(OpKind::kPermute, stream, device, x, out, groups, group_size, permute_dst);
 }
 
-// ---- async pairs: start forks XLA's stream onto this device's async stream and runs the
-// whole exchange there (handshakes, copies, the wait for readers), so XLA's stream goes on
-// with the user's compute; done makes XLA's stream wait for the event start recorded.
+// ---- async pairs: start forks XLA's stream onto one of this device's async streams and
+// runs the whole exchange there (handshakes, copies, the wait for readers), so XLA's stream
+// goes on with the user's compute; done makes XLA's stream wait for the event start recorded.
+//
+// Async streams: the lowering picks one per start (attribute `stream`, the same on every
+// rank, async_collectives.py says how); a start runs on that stream and uses its flag lane,
+// 1 + stream. With one stream, starts run one after another: a pipeline of many exchanges
+// (the fused ops' pieces) can queue up behind each other there.
 
 struct AsyncState {
-  cudaStream_t stream = nullptr;  // the device's async stream, created once
+  cudaStream_t streams[kMaxAsyncLanes] = {};  // the device's async streams, created once
   cudaEvent_t fork = nullptr;
   // Events of starts not yet done, FIFO per start site (done pairs with the oldest start of
   // its site: pairs of one site complete in program order).
@@ -127,20 +132,23 @@ ffi::Error CudaFail(const char* what, cudaError_t e) {
 // rows [offset, offset + n * x rows) of a larger buffer).
 ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
                      void* out_data, size_t out_bytes, ffi::Span<const int64_t> groups,
-                     int64_t group_size, ffi::Span<const int64_t> permute_dst, int64_t site,
-                     bool peers_only) {
+                     int64_t group_size, ffi::Span<const int64_t> permute_dst,
+                     int64_t stream_index, int64_t site, bool peers_only) {
   HostTimer timer("start");
+  if (stream_index < 0 || stream_index >= kMaxAsyncLanes)
+    return ffi::Error::InvalidArgument("jax_hoccl async: stream " + std::to_string(stream_index) +
+                                       " out of range");
+  const int index = static_cast<int>(stream_index);
   AsyncState& a = AsyncStateFor(device);
   cudaError_t e;
-  if (!a.stream) {
-    if ((e = cudaStreamCreateWithFlags(&a.stream, cudaStreamNonBlocking)) != cudaSuccess)
-      return CudaFail("cudaStreamCreateWithFlags", e);
-    if ((e = cudaEventCreateWithFlags(&a.fork, cudaEventDisableTiming)) != cudaSuccess)
-      return CudaFail("cudaEventCreateWithFlags", e);
-  }
+  cudaStream_t& stream = a.streams[index];
+  if (!a.fork && (e = cudaEventCreateWithFlags(&a.fork, cudaEventDisableTiming)) != cudaSuccess)
+    return CudaFail("cudaEventCreateWithFlags", e);
+  if (!stream && (e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)) != cudaSuccess)
+    return CudaFail("cudaStreamCreateWithFlags", e);
   // The input and the output are XLA's as of this point of its stream.
   if ((e = cudaEventRecord(a.fork, xla_stream)) != cudaSuccess) return CudaFail("cudaEventRecord", e);
-  if ((e = cudaStreamWaitEvent(a.stream, a.fork, 0)) != cudaSuccess)
+  if ((e = cudaStreamWaitEvent(stream, a.fork, 0)) != cudaSuccess)
     return CudaFail("cudaStreamWaitEvent", e);
   OpSpec spec;
   std::vector<int64_t> ids;
@@ -149,7 +157,7 @@ ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, ffi::An
   if (!decoded.success()) return decoded;
   if (spec.bytes > 0 && OutputBytes(spec) > 0) {
     Communicator& comm = CudaCommunicator(ids);
-    ExecStatus st = RunOnCuda(comm, spec, a.stream, x.untyped_data(), out_data);
+    ExecStatus st = RunOnCuda(comm, spec, stream, x.untyped_data(), out_data, 1 + index);
     if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
   }
   cudaEvent_t finished;
@@ -159,7 +167,7 @@ ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, ffi::An
   } else if ((e = cudaEventCreateWithFlags(&finished, cudaEventDisableTiming)) != cudaSuccess) {
     return CudaFail("cudaEventCreateWithFlags", e);
   }
-  if ((e = cudaEventRecord(finished, a.stream)) != cudaSuccess) return CudaFail("cudaEventRecord", e);
+  if ((e = cudaEventRecord(finished, stream)) != cudaSuccess) return CudaFail("cudaEventRecord", e);
   a.pending[site].push_back(finished);
   return ffi::Error::Success();
 }
@@ -167,9 +175,9 @@ ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, ffi::An
 ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
                               ffi::Span<const int64_t> groups, int64_t group_size,
-                              int64_t peers_only, int64_t site) {
+                              int64_t peers_only, int64_t stream_index, int64_t site) {
   return StartCuda(OpKind::kAllGather, stream, device, x, out->untyped_data(), out->size_bytes(),
-                   groups, group_size, {}, site, peers_only != 0);
+                   groups, group_size, {}, stream_index, site, peers_only != 0);
 }
 // all_gather into rows of a larger buffer: args (x[, dst]); when dst is given the output
 // aliases it (set in the lowering), else XLA allocates it and the other rows stay unwritten
@@ -177,24 +185,26 @@ ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffe
 ffi::Error AllGatherIntoStartCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
                                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
                                   ffi::Span<const int64_t> groups, int64_t group_size,
-                                  int64_t offset, int64_t site) {
+                                  int64_t offset, int64_t stream_index, int64_t site) {
   auto into = DecodeInto(args, *out, group_size, offset);
   if (into.has_error()) return into.error();
   return StartCuda(OpKind::kAllGather, stream, device, into->x, into->dst, into->bytes, groups,
-                   group_size, {}, site, false);
+                   group_size, {}, stream_index, site, false);
 }
 ffi::Error AllToAllStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
-                             ffi::Span<const int64_t> groups, int64_t group_size, int64_t site) {
+                             ffi::Span<const int64_t> groups, int64_t group_size,
+                             int64_t stream_index, int64_t site) {
   return StartCuda(OpKind::kAllToAll, stream, device, x, out->untyped_data(), out->size_bytes(),
-                   groups, group_size, {}, site, false);
+                   groups, group_size, {}, stream_index, site, false);
 }
 ffi::Error PermuteStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
                             ffi::Span<const int64_t> groups, int64_t group_size,
-                            ffi::Span<const int64_t> permute_dst, int64_t site) {
+                            ffi::Span<const int64_t> permute_dst, int64_t stream_index,
+                            int64_t site) {
   return StartCuda(OpKind::kPermute, stream, device, x, out->untyped_data(), out->size_bytes(),
-                   groups, group_size, permute_dst, site, false);
+                   groups, group_size, permute_dst, stream_index, site, false);
 }
 
 ffi::Error DoneCuda(cudaStream_t xla_stream, int32_t device, ffi::RemainingArgs,
@@ -225,6 +235,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCuda, AllGatherStartCuda,
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("peers_only")
+                                  .Attr<int64_t>("stream")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherIntoStartCuda, AllGatherIntoStartCuda,
                               ffi::Ffi::Bind()
@@ -236,6 +247,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherIntoStartCuda, AllGatherIntoStartCuda,
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("stream")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCuda, AllToAllStartCuda,
                               ffi::Ffi::Bind()
@@ -246,6 +258,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCuda, AllToAllStartCuda,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("stream")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCuda, PermuteStartCuda,
                               ffi::Ffi::Bind()
@@ -257,6 +270,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCuda, PermuteStartCuda,
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<ffi::Span<const int64_t>>("permute_dst")
+                                  .Attr<int64_t>("stream")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kDoneCuda, DoneCuda,
                               ffi::Ffi::Bind()

@@ -516,6 +516,36 @@ def test_all_gather_into_chain_matches_lax(dtype):
   np.testing.assert_array_equal(to_np(got), to_np(ref))
 
 
+@pytest.mark.parametrize("streams", [None, "2", "3"])
+def test_starts_spread_over_async_streams(streams, monkeypatch):
+  """JAX_HOCCL_ASYNC_STREAMS=s: matmul_psum's starts (ppermute and all_gather_into) carry
+  stream = site % s in the lowered program, round-robin in program order (every rank lowers
+  the same program, so every rank picks the same stream; default one stream), and the values
+  stay jax.lax's. A value out of 1..4 fails when the program is lowered."""
+  if streams:
+    monkeypatch.setenv("JAX_HOCCL_ASYNC_STREAMS", streams)
+  rng = np.random.default_rng(8)
+  x = put(MESH1, rand(rng, (64, 8 * 8), jnp.bfloat16), P(None, "x"))
+  w = put(MESH1, rand(rng, (8 * 8, 8), jnp.bfloat16), P("x"))
+  f = smap(MESH1, lambda x, w: hc.matmul_psum(x, w, "x", chunks=4), True,
+           in_specs=(P(None, "x"), P("x")), out_specs=P())
+  text = jax.jit(f).lower(x, w).as_text()
+  got = [int(v) for v in re.findall(r"stream = (\d+) : i64", text)]
+  s = int(streams or 1)
+  assert len(got) == 4 * 7 + 4  # 7 ppermute steps and one gather per piece
+  assert set(got) == set(range(s)) and all(v < s for v in got)
+  ref = smap(MESH1, lambda x, w: jax.lax.psum(x @ w, "x"), False,
+             in_specs=(P(None, "x"), P("x")), out_specs=P())
+  got_v, ref_v = to_np(jax.jit(f)(x, w)), to_np(jax.jit(ref)(x, w))
+  np.testing.assert_allclose(got_v.astype(np.float32), ref_v.astype(np.float32),
+                             rtol=5e-2, atol=5e-2)
+  monkeypatch.setenv("JAX_HOCCL_ASYNC_STREAMS", "5")
+  g = smap(MESH1, lambda x, w: hc.matmul_psum(x, w, "x", chunks=2), True,  # not cached
+           in_specs=(P(None, "x"), P("x")), out_specs=P())
+  with pytest.raises(ValueError, match="JAX_HOCCL_ASYNC_STREAMS must be 1 to 4"):
+    jax.jit(g).lower(x, w)
+
+
 def test_all_gather_into_rows_must_fit():
   from jax_hoccl._src.ops import async_collectives as ac
   f = smap(MESH1, lambda a: ac.all_gather_into_start(a, "x", (20, 3), 8).buffer, True,

@@ -244,3 +244,51 @@ def test_matmul_psum_ring_on_gpu(mesh, chunks, dtype, cublaslt, monkeypatch):
   b = run(ref)
   scale = np.abs(b).max()
   assert scale > 0 and np.abs(a - b).max() <= 2e-2 * scale, np.abs(a - b).max() / scale
+
+
+def _sync_inside_async(mesh, seed):
+  """An all_gather_start in flight while a ppermute of the same group runs on XLA's stream,
+  then the done; (ours, jax.lax) results. The two use different flag lanes: sharing one, the
+  ppermute's "done" flags could release the start's input before the peers had read it."""
+  n = len(GPUS)
+  perm = [(i, (i + 1) % n) for i in range(n)]
+  x = _rand((n * (8 << 20),), jnp.float32, seed)  # 32 MiB per GPU: in flight for a while
+  y = _rand((n * 4096,), jnp.float32, seed + 1)
+
+  def ours(x, y):
+    p = jax_hoccl.all_gather_start(x, "x", tiled=True)
+    z = jax_hoccl.ppermute(y * 2.0, "x", perm)
+    g, z = jax_hoccl.done(p, z)
+    return g[::4096], z
+
+  def ref(x, y):
+    return jax.lax.all_gather(x, "x", tiled=True)[::4096], jax.lax.ppermute(y * 2.0, "x", perm)
+
+  args = [jax.device_put(a, NamedSharding(mesh, P("x"))) for a in (x, y)]
+  run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"), P("x")),  # noqa: E731
+                                        out_specs=(P("x"), P("x"))))(*args)
+  return run(ours), run(ref)
+
+
+def test_sync_collective_inside_async_pair_on_gpu(mesh):
+  for seed in range(5):
+    (g, z), (g_ref, z_ref) = _sync_inside_async(mesh, 30 + seed)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(g_ref))
+    np.testing.assert_array_equal(np.asarray(z), np.asarray(z_ref))
+
+
+@pytest.mark.parametrize("streams", ["2", "3"])
+def test_matmul_psum_over_several_async_streams_on_gpu(mesh, streams, monkeypatch):
+  """JAX_HOCCL_ASYNC_STREAMS: the starts of matmul_psum's ring spread over several async
+  streams (each with its own flag lane), results equal jax.lax's."""
+  monkeypatch.setenv("JAX_HOCCL_ASYNC_STREAMS", streams)
+  n = len(GPUS)
+  x, w = _rand((1024, 256 * n), jnp.bfloat16, 27), _rand((256 * n, 4096), jnp.bfloat16, 28)
+  specs = (P(None, "x"), P("x"))
+  args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)]
+  run = lambda f: np.asarray(jax.jit(jax.shard_map(  # noqa: E731
+      f, mesh=mesh, in_specs=specs, out_specs=P()))(*args)).astype(np.float32)
+  b = run(lambda x, w: jax.lax.psum(x @ w, "x"))
+  for chunks in (2, 4, (128, 128, 64, 64, 32, 32, 16, 16)):
+    a = run(lambda x, w: jax_hoccl.matmul_psum(x, w, "x", chunks=chunks))
+    assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max(), (chunks, np.abs(a - b).max())
