@@ -319,7 +319,8 @@ def main(argv=None):
     print("== fused", flush=True)
     result["fused"] = bench_fused(mesh, quick=args.quick or not on_gpu)
   os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, f"{result['date']}-{machine_name()}.json")
+  suffix = "-fused" if args.fused_only else ""  # a fused-only run keeps the full run's file
+  path = os.path.join(args.out, f"{result['date']}-{machine_name()}{suffix}.json")
   with open(path, "w") as f:
     json.dump(result, f, indent=1)
   print(f"wrote {path}")

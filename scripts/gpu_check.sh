@@ -2,7 +2,7 @@
 # One call on a multi-GPU machine: build jax_hoccl with its CUDA engine, run the GPU tests,
 # count kernels per op with ncu, run the benchmark (results JSON under benchmarks/results/,
 # copied to $OUT when set), and print a short summary table last.
-#   bash scripts/gpu_check.sh [--quick]
+#   bash scripts/gpu_check.sh [--quick | --no-bench | --bench-only | --fused-only]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -10,7 +10,11 @@ export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 QUICK=${1:-}   # --quick: small sizes only; --bench-only / --no-bench: one half of the job
 PHASE=all
-case "$QUICK" in --bench-only) PHASE=bench; QUICK="";; --no-bench) PHASE=tests; QUICK="";; esac
+case "$QUICK" in
+  --bench-only) PHASE=bench; QUICK="";;
+  --no-bench) PHASE=tests; QUICK="";;
+  --fused-only) PHASE=bench; QUICK="--fused-only";;  # build + the fused section (~1 min)
+esac
 OUTDIR=${OUT:-/tmp/jax_hoccl_gpu_check}
 mkdir -p "$OUTDIR"
 SUMMARY=()
