@@ -257,7 +257,7 @@ def _sync_inside_async(mesh, seed):
 
   def ours(x, y):
     p = jax_hoccl.all_gather_start(x, "x", tiled=True)
-    z = jax_hoccl.ppermute(y * 2.0, "x", perm)
+    z = jax_hoccl.ppermute(p.after_start(y * 2.0), "x", perm)  # after the start, before done
     g, z = jax_hoccl.done(p, z)
     return g[::4096], z
 
