@@ -204,6 +204,17 @@ def bench_interference(mesh, nbytes=256 * MIB, gemm_n=8192, gemms=30):
   return rows
 
 
+def behind_gemms(op_body, k):
+  """(x, a) -> k rounds of a GEMM on a, then op_body on x made to wait for it: the host
+  enqueues each op while the GPU runs the GEMM before it, so the op's host cost is hidden."""
+  def body(x, a):
+    for _ in range(k):
+      a = (a @ a) * 1e-3
+      x = op_body(x + a[0, 0].astype(x.dtype) * 0)
+    return x, a
+  return body
+
+
 def bench_device_latency(mesh, sizes=(64 * KIB, 1 * MIB), k=50, gemm_n=4096):
   """Device time of small ops with the host's per-op cost hidden: each op follows a GEMM
   long enough that the host enqueues the next op while the GPU computes, so
@@ -214,16 +225,8 @@ def bench_device_latency(mesh, sizes=(64 * KIB, 1 * MIB), k=50, gemm_n=4096):
   a = jax.device_put(rng.standard_normal((n * gemm_n, gemm_n), dtype=np.float32).astype(jnp.bfloat16),
                      NamedSharding(mesh, P("x")))
 
-  def with_gemm(op_body):
-    def body(x, a):
-      for _ in range(k):
-        a = (a @ a) * 1e-3
-        x = op_body(x + a[0, 0].astype(x.dtype) * 0)
-      return x, a
-    return body
-
-  base = jax.jit(jax.shard_map(with_gemm(lambda x: x), mesh=mesh, in_specs=(P("x"), P("x")),
-                               out_specs=(P("x"), P("x"))))
+  base = jax.jit(jax.shard_map(behind_gemms(lambda x: x, k), mesh=mesh,
+                               in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x"))))
   for nbytes in sizes:
     for op in OPS:
       elems = per_device_input_elems(op, nbytes, n, 4)
@@ -231,7 +234,7 @@ def bench_device_latency(mesh, sizes=(64 * KIB, 1 * MIB), k=50, gemm_n=4096):
       t_base = time_call(lambda v: base(v, a), x, 3)
       for impl, mod in IMPLS.items():
         one = chain_fn(mod, op, n, 1)
-        f = jax.jit(jax.shard_map(with_gemm(one), mesh=mesh, in_specs=(P("x"), P("x")),
+        f = jax.jit(jax.shard_map(behind_gemms(one, k), mesh=mesh, in_specs=(P("x"), P("x")),
                                   out_specs=(P("x"), P("x"))))
         t = (time_call(lambda v: f(v, a), x, 3) - t_base) / k
         rows.append(dict(op=op, impl=impl, bytes_per_device=nbytes, device_time_us=t * 1e6))

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_hoccl  # noqa: E402
 from jax_hoccl import _hoccl  # noqa: E402
-from bench import time_call  # noqa: E402
+from bench import behind_gemms, time_call  # noqa: E402
 
 K = 32
 
@@ -55,13 +55,15 @@ def median_wall(f, args, repeats=7):
 
 
 def main():
-  sizes = [int(s) * 1024 for s in (sys.argv[1].split(",") if len(sys.argv) > 1 else "64,1024,16384".split(","))]
+  kib = sys.argv[1] if len(sys.argv) > 1 else "64,1024,16384"
+  sizes = [int(s) * 1024 for s in kib.split(",")]
   mesh = jax.make_mesh((len(jax.devices()),), ("x",))
   n = mesh.shape["x"]
   rng = np.random.default_rng(0)
   gemm_n = int(os.environ.get("PROBE_GEMM_N", 2048))  # the GEMM each op hides behind
-  a = jax.device_put(rng.standard_normal((n * gemm_n, gemm_n), dtype=np.float32).astype(jnp.bfloat16),
-                     NamedSharding(mesh, P("x")))
+  a = jax.device_put(
+      rng.standard_normal((n * gemm_n, gemm_n), dtype=np.float32).astype(jnp.bfloat16),
+      NamedSharding(mesh, P("x")))
   smap = lambda body, specs: jax.jit(jax.shard_map(  # noqa: E731
       body, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=False))
 
@@ -72,15 +74,7 @@ def main():
       return x
     return body
 
-  def behind_gemm(op):
-    def body(x, a):
-      for _ in range(K):
-        a = (a @ a) * 1e-3
-        x = op(x + a[0, 0].astype(x.dtype) * 0)
-      return x, a
-    return body
-
-  base = smap(behind_gemm(lambda x: x), (P("x"), P("x")))
+  base = smap(behind_gemms(lambda x: x, K), (P("x"), P("x")))
   env = {k: v for k, v in os.environ.items() if k.startswith("JAX_HOCCL_") and k != "JAX_HOCCL_PROFILE"}
   print(f"probe_op_cost: {n} x {jax.devices()[0].device_kind}, K={K}, env {env or 'default'}")
   print(f"{'variant':28s} {'size':>8s} {'wall/op':>8s} {'device/op':>9s}  host us/op by phase")
@@ -92,7 +86,7 @@ def main():
       if not any(v in name for v in only):
         continue
       f = smap(chain(op), P("x"))
-      g = smap(behind_gemm(op), (P("x"), P("x")))
+      g = smap(behind_gemms(op, K), (P("x"), P("x")))
       wall = median_wall(f, (x,)) / K
       dev = (median_wall(g, (x, a)) - t_base) / K
       _hoccl.host_profile(reset=True)

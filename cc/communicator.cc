@@ -120,9 +120,12 @@ std::string Communicator::Broken() {
   return broken_;
 }
 
+static std::chrono::microseconds Timeout() {
+  return std::chrono::microseconds(static_cast<int64_t>(TimeoutSeconds() * 1e6));
+}
+
 static std::chrono::steady_clock::time_point Deadline() {
-  return std::chrono::steady_clock::now() +
-         std::chrono::microseconds(static_cast<int64_t>(TimeoutSeconds() * 1e6));
+  return std::chrono::steady_clock::now() + Timeout();
 }
 
 std::string Communicator::MissingPeers(const char* op, int rank, uint64_t seq,
@@ -258,8 +261,7 @@ void Communicator::ExpireAsync() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     const auto now = std::chrono::steady_clock::now();
-    const auto timeout =
-        std::chrono::microseconds(static_cast<int64_t>(TimeoutSeconds() * 1e6));
+    const auto timeout = Timeout();
     for (auto it = async_slots_.begin(); it != async_slots_.end();) {
       AsyncSlot& s = it->second;
       if (broken_.empty() && now - s.since < timeout) {

@@ -108,7 +108,8 @@ ffi::Future AllToAllStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
 ffi::Future PermuteStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
                             ffi::Span<const int64_t> groups, int64_t group_size,
-                            ffi::Span<const int64_t> permute_dst, int64_t /*stream: GPU only*/, int64_t /*site*/) {
+                            ffi::Span<const int64_t> permute_dst,
+                            int64_t /*stream: GPU only*/, int64_t /*site*/) {
   return RunCpu(OpKind::kPermute, device, call, x, out->untyped_data(), out->size_bytes(),
                 groups, group_size, permute_dst);
 }

@@ -39,6 +39,13 @@ nb::dict CpuCallType() {
   return d;
 }
 
+// The CUDA handler `fn`, or none in a build without the CUDA engine.
+#ifdef JAX_HOCCL_WITH_CUDA
+#define HOCCL_CUDA(fn) Capsule(hoccl::fn)
+#else
+#define HOCCL_CUDA(fn) nb::none()
+#endif
+
 nb::dict Registrations() {
   nb::dict d;
   auto add = [&](const char* name, nb::object cpu, nb::object cuda) {
@@ -47,32 +54,20 @@ nb::dict Registrations() {
     if (!cuda.is_none()) per_platform["CUDA"] = cuda;
     d[name] = per_platform;
   };
-#ifdef JAX_HOCCL_WITH_CUDA
-  add("hoccl_all_gather", CpuStaged(hoccl::kAllGatherCpu), Capsule(hoccl::kAllGatherCuda));
-  add("hoccl_all_to_all", CpuStaged(hoccl::kAllToAllCpu), Capsule(hoccl::kAllToAllCuda));
-  add("hoccl_ppermute", CpuStaged(hoccl::kPermuteCpu), Capsule(hoccl::kPermuteCuda));
-#else
-  add("hoccl_all_gather", CpuStaged(hoccl::kAllGatherCpu), nb::none());
-  add("hoccl_all_to_all", CpuStaged(hoccl::kAllToAllCpu), nb::none());
-  add("hoccl_ppermute", CpuStaged(hoccl::kPermuteCpu), nb::none());
-#endif
+  add("hoccl_all_gather", CpuStaged(hoccl::kAllGatherCpu), HOCCL_CUDA(kAllGatherCuda));
+  add("hoccl_all_to_all", CpuStaged(hoccl::kAllToAllCpu), HOCCL_CUDA(kAllToAllCuda));
+  add("hoccl_ppermute", CpuStaged(hoccl::kPermuteCpu), HOCCL_CUDA(kPermuteCuda));
   // Async pairs.
-#ifdef JAX_HOCCL_WITH_CUDA
-  add("hoccl_all_gather_start", CpuStaged(hoccl::kAllGatherStartCpu), Capsule(hoccl::kAllGatherStartCuda));
+  add("hoccl_all_gather_start", CpuStaged(hoccl::kAllGatherStartCpu),
+      HOCCL_CUDA(kAllGatherStartCuda));
   add("hoccl_all_gather_into_start", CpuStaged(hoccl::kAllGatherIntoStartCpu),
-      Capsule(hoccl::kAllGatherIntoStartCuda));
-  add("hoccl_all_to_all_start", CpuStaged(hoccl::kAllToAllStartCpu), Capsule(hoccl::kAllToAllStartCuda));
-  add("hoccl_ppermute_start", CpuStaged(hoccl::kPermuteStartCpu), Capsule(hoccl::kPermuteStartCuda));
-  add("hoccl_done", Capsule(hoccl::kDoneCpu), Capsule(hoccl::kDoneCuda));
+      HOCCL_CUDA(kAllGatherIntoStartCuda));
+  add("hoccl_all_to_all_start", CpuStaged(hoccl::kAllToAllStartCpu),
+      HOCCL_CUDA(kAllToAllStartCuda));
+  add("hoccl_ppermute_start", CpuStaged(hoccl::kPermuteStartCpu), HOCCL_CUDA(kPermuteStartCuda));
+  add("hoccl_done", Capsule(hoccl::kDoneCpu), HOCCL_CUDA(kDoneCuda));
   // GEMM on row ranges (fused ops); on CPU the lowering is XLA's own dot instead.
-  add("hoccl_rows_matmul", nb::none(), Capsule(hoccl::kRowsMatmulCuda));
-#else
-  add("hoccl_all_gather_start", CpuStaged(hoccl::kAllGatherStartCpu), nb::none());
-  add("hoccl_all_gather_into_start", CpuStaged(hoccl::kAllGatherIntoStartCpu), nb::none());
-  add("hoccl_all_to_all_start", CpuStaged(hoccl::kAllToAllStartCpu), nb::none());
-  add("hoccl_ppermute_start", CpuStaged(hoccl::kPermuteStartCpu), nb::none());
-  add("hoccl_done", Capsule(hoccl::kDoneCpu), nb::none());
-#endif
+  add("hoccl_rows_matmul", nb::none(), HOCCL_CUDA(kRowsMatmulCuda));
   return d;
 }
 

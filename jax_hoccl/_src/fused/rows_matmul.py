@@ -8,8 +8,8 @@ partial sum) in the GEMM's epilogue instead of a kernel, and optionally the rows
 place into a buffer chained from call to call (`into`, so pieces need no concatenate; no fused
 op uses it since matmul_reduce_scatter's ring was dropped, commit 4b04e51 has that user).
 With XLA's own dot matmul_psum paid for the copies and the adds (measured on H200: most of
-its overhead over the GEMM alone). Otherwise (JAX_HOCCL_CUBLASLT=0; CPU; f32 and other dtypes) it lowers to XLA's
-dynamic_slice, dot, add and dynamic_update_slice: the same values.
+its overhead over the GEMM alone). Otherwise (JAX_HOCCL_CUBLASLT=0; CPU; f32 and other
+dtypes) it lowers to XLA's dynamic_slice, dot, add and dynamic_update_slice: the same values.
 """
 from __future__ import annotations
 

@@ -66,9 +66,13 @@ def _start_abstract_eval(x, *, op, axes, axis_size, perm, peers_only, invariant,
   return [out, token]
 
 
+def _start_attrs(ctx, axes, op: str, site: int) -> dict:
+  """Every start's attributes: its group's, and the async stream it runs on."""
+  return {**axes_lib.ffi_group_attrs(ctx, axes, op, site), "stream": np.int64(async_stream(site))}
+
+
 def _start_lowering(ctx, x, *, op, axes, axis_size, perm, peers_only, invariant, site):
-  attrs = axes_lib.ffi_group_attrs(ctx, axes, op, site)
-  attrs["stream"] = np.int64(async_stream(site))
+  attrs = _start_attrs(ctx, axes, op, site)
   if op == "all_gather":
     attrs["peers_only"] = np.int64(peers_only)
   if op == "ppermute":
@@ -95,8 +99,7 @@ def _into_abstract_eval(x, *dst, axes, axis_size, shape, row, invariant, site):
 
 
 def _into_lowering(ctx, x, *dst, axes, axis_size, shape, row, invariant, site):
-  attrs = axes_lib.ffi_group_attrs(ctx, axes, "all_gather_into", site)
-  attrs["stream"] = np.int64(async_stream(site))
+  attrs = _start_attrs(ctx, axes, "all_gather_into", site)
   row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(ctx.avals_in[0].dtype).itemsize
   attrs["offset"] = np.int64(row * row_bytes)
   return ffi_lower("hoccl_all_gather_into_start", "all_gather_into", ctx, x, *dst, **attrs,

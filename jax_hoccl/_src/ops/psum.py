@@ -7,8 +7,9 @@ Three algorithms, all compositions of the movers with an XLA sum (no kernel of o
   pipelined: two_step in PIPELINE_CHUNKS chunks with the async pairs, so XLA's sum of chunk k
              runs on the SMs while the copy engines move chunk k+1 (opt-in: not measured on
              GPU yet; JAX_HOCCL_PSUM_CHUNKS sets the chunk count).
-"auto" picks one_shot up to ONE_SHOT_MAX_BYTES and for groups of two, two_step above. Override with the env var JAX_HOCCL_PSUM_ALGORITHM
-or `with jax_hoccl.psum_algorithm("two_step"):` around the tracing of your function.
+"auto" picks one_shot up to ONE_SHOT_MAX_BYTES and for groups of two, two_step above.
+Override with the env var JAX_HOCCL_PSUM_ALGORITHM or `with jax_hoccl.psum_algorithm(
+"two_step"):` around the tracing of your function.
 """
 from __future__ import annotations
 
