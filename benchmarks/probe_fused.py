@@ -2,6 +2,9 @@
 scheduled its instructions in (custom calls, GEMMs, copies, fusions), one line each.
 
     python3 benchmarks/probe_fused.py matmul_psum 2      # op, chunks
+
+PROBE_TIMELINE=1 adds the device timeline of one call (jax.profiler's trace): every kernel and
+copy per GPU and stream, in microseconds from the call's first event.
 """
 from __future__ import annotations
 
@@ -48,6 +51,52 @@ def schedule(text):
   return max(comps.values(), key=lambda c: sum("custom-call" in l for l in c))
 
 
+def timeline(f, args, calls=3):
+  """Prints the device activity of the last of `calls` calls of f: per GPU, every kernel and
+  copy with its start and end (us from the first event of that call on any GPU) and stream;
+  then each stream's busy time and the compute stream's idle time inside the span."""
+  import glob
+  import tempfile
+  import time
+  from jax.profiler import ProfileData
+  jax.block_until_ready(f(*args))
+  with tempfile.TemporaryDirectory() as d:
+    jax.profiler.start_trace(d)
+    for _ in range(calls):
+      time.sleep(0.02)  # a gap that separates the calls in the trace
+      jax.block_until_ready(f(*args))
+    jax.profiler.stop_trace()
+    data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    planes = {}
+    for plane in data.planes:
+      if "GPU" in plane.name:
+        planes[plane.name] = sorted((e.start_ns, e.duration_ns, line.name, e.name)
+                                    for line in plane.lines for e in line.events)
+    planes = {k: v for k, v in planes.items() if v}
+    if not planes:
+      return
+    for name, events in planes.items():  # the last call: after the last gap over 10 ms
+      cut = max((i for i in range(1, len(events))
+                 if events[i][0] - events[i - 1][0] - events[i - 1][1] > 10e6), default=0)
+      planes[name] = events[cut:]
+    t0 = min(events[0][0] for events in planes.values())
+    for name, events in planes.items():
+      end = max(s + d for s, d, *_ in events)
+      print(f"  timeline {name}: {(events[0][0] - t0) / 1e3:.1f} to {(end - t0) / 1e3:.1f} us")
+      busy, compute_end, idle = {}, None, 0
+      for s, d, line, ev in events:
+        busy[line] = busy.get(line, 0) + d
+        if "Compute" in line:
+          if compute_end is not None:
+            idle += max(0, s - compute_end)
+          compute_end = max(compute_end or 0, s + d)
+        if os.environ.get("PROBE_TIMELINE") != "summary":
+          print(f"    {(s - t0) / 1e3:8.1f} {(s + d - t0) / 1e3:8.1f}  {line[:28]:28s} {ev[:60]}")
+      for line, b in busy.items():
+        print(f"    busy {line[:40]:40s} {b / 1e3:8.1f} us")
+      print(f"    compute stream idle between its kernels: {idle / 1e3:.1f} us")
+
+
 def main():
   op, chunks = sys.argv[1], eval(sys.argv[2]) if len(sys.argv) > 2 else None
   m_total = int(os.environ.get("PROBE_M", 4096))
@@ -57,16 +106,20 @@ def main():
   rng = np.random.default_rng(0)
   x = (rng.standard_normal((m_total, k), dtype=np.float32) * 0.05).astype(jnp.bfloat16)
   w = (rng.standard_normal((k, k), dtype=np.float32) * 0.05).astype(jnp.bfloat16)
-  specs = (P(None, "x"), P("x"))
+  # column-parallel (all_gather_matmul: rows of x sharded, columns of w) or row-parallel
+  specs = (P("x"), P(None, "x")) if op == "all_gather_matmul" else (P(None, "x"), P("x"))
   fn = getattr(jax_hoccl, op)
-  kw = {"chunks": chunks} if op == "matmul_psum" else {}
+  kw = {"chunks": chunks} if op in ("matmul_psum", "matmul_reduce_scatter") else {}
   body = lambda x, w: fn(x, w, "x", **kw)  # noqa: E731
-  (res, gemm), = [_paired(mesh, lambda x, w: x @ w, (x, w), {"op": body}, (x, w), specs)]
+  # the GEMM alone has the op's whole output: for all_gather_matmul, every rank's rows of x
+  gemm_args = (np.tile(x, (len(devices), 1)), w) if op == "all_gather_matmul" else (x, w)
+  (res, gemm), = [_paired(mesh, lambda x, w: x @ w, gemm_args, {"op": body}, (x, w), specs)]
   ms, ratio = res["op"]
   print(f"{op} chunks={chunks} M={m_total}: {ms:.3f} ms, GEMM {gemm:.3f} ms, x{ratio:.3f}")
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P()
                             if op == "matmul_psum" else P("x"), check_vma=False))
   args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)]
+  g_args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(gemm_args, specs)]
   text = f.lower(*args).compile().as_text()
   if os.environ.get("JAX_HOCCL_PROFILE"):  # host time in the handlers, per call of the op
     import time
@@ -82,7 +135,18 @@ def main():
         f"{ph}={c // (calls * len(devices))}x{ns / 1e3 / c:.1f}us" for ph, c, ns in prof))
   for line in schedule(text):
     print("   ", line)
-
+  if os.environ.get("PROBE_TIMELINE"):  # the benchmark's loop of ITERS calls, traced
+    from bench_fused import ITERS, looped
+    lax_body = {"matmul_psum": lambda x, w: jax.lax.psum(x @ w, "x"),
+                "matmul_reduce_scatter":
+                    lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True),
+                "all_gather_matmul":
+                    lambda x, w: jax.lax.all_gather(x, "x", tiled=True) @ w}.get(op)
+    for label, b, a in (("the GEMM alone", lambda x, w: x @ w, g_args), (op, body, args),
+                        (f"jax.lax's {op}", lax_body, args)):
+      if b is not None:
+        print(f"  {label}, {ITERS} calls in a loop:")
+        timeline(looped(mesh, b, specs), a)
 
 if __name__ == "__main__":
   main()

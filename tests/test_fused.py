@@ -454,6 +454,86 @@ def test_ring_structure(chunks, cublaslt, monkeypatch):
   assert_close(sm(x, w), ref(x, w), jnp.bfloat16, name="matmul_psum")
 
 
+@pytest.mark.parametrize("mesh_id", ["tp2", "tp4"])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_matmul_reduce_scatter_ring(mesh_id, dtype, monkeypatch):
+  """bf16 matmul_reduce_scatter runs as the ring of rows_matmuls (f32: one send per block
+  and a sum): equal to jax.lax (values and gradients); lowered for CUDA (bf16) it is n GEMMs
+  per piece, all hoccl_rows_matmul, and no dynamic_slice, add or concatenate."""
+  monkeypatch.setenv("JAX_HOCCL_CUBLASLT", "1")
+  mesh = MESHES[mesh_id]
+  n, d = mesh.shape["tp"], mesh.shape["dp"]
+  dt = DTYPES[dtype]
+  rng = np.random.default_rng(5)
+  x = put(mesh, rand(rng, (n * 4, d, n * 8), dt), P(None, "dp", "tp"))  # local [4n, 1, 8]
+  w = put(mesh, rand(rng, (n * 8, 8), dt), P("tp", None))
+  specs = (x.sharding.spec, w.sharding.spec)
+  sm = lambda f: jax.shard_map(f, mesh=mesh, in_specs=specs,  # noqa: E731
+                               out_specs=P("tp", "dp", None))
+  ours = sm(lambda x, w: hc.matmul_reduce_scatter(x, w, "tp"))
+  ref = sm(lambda x, w: jax.lax.psum_scatter(x @ w, "tp", tiled=True))
+  assert_close(jax.jit(ours)(x, w), jax.jit(ref)(x, w), dt, name="mmrs ring")
+  loss = lambda f: jax.jit(jax.grad(  # noqa: E731
+      lambda a, b: jnp.sum(jnp.sin(f(a, b).astype(jnp.float32))), argnums=(0, 1)))(x, w)
+  for g1, g2 in zip(loss(ours), loss(ref)):
+    assert_close(g1, g2, dt, name="mmrs ring grad")
+  if dtype == "bf16" and hc.with_cuda:  # lowering for CUDA needs the CUDA engine's build
+    cuda = jax.jit(ours).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert cuda.count("@hoccl_rows_matmul(") == 2 * n  # 2 pieces per block, n steps
+    assert cuda.count("@hoccl_ppermute_start(") == 2 * (n - 1)
+    for op in ("dynamic_slice", "stablehlo.concatenate", "stablehlo.dot_general"):
+      assert op not in cuda, op
+    # Order by data dependencies only (XLA drops optimization barriers before it schedules
+    # on GPU): every GEMM but the first takes the latest start's token as an operand, and the
+    # done that brings a later piece's partial takes the GEMM before it (in the last step:
+    # the buffer the next GEMM writes into). Without that XLA scheduled GEMMs above their
+    # starts and dones above their GEMMs on GPU.
+    defs = dict(re.findall(r"^\s*(%\w+)(?::\d+)? = (.*)$", cuda, re.M))
+    base = lambda v: v.split("#")[0]  # noqa: E731
+    gemms = [m.group(1).split(", ") for m in
+             re.finditer(r"stablehlo.custom_call @hoccl_rows_matmul\(([^)]*)\)", cuda)]
+    for ops in gemms[1:]:
+      assert any("_start(" in defs.get(base(o), "") for o in ops[2:]), ops
+    chained = 0
+    for ops in gemms:
+      if len(ops) != 5:  # x, w, c, into, token: the last step's chained GEMMs
+        continue
+      _, _, c, into, _ = ops
+      done = re.match(r"stablehlo.custom_call @hoccl_done\(([^)]*)\)", defs[c])
+      assert done, defs[c][:80]
+      assert base(into) in [base(o) for o in done.group(1).split(", ")[2:]], (done, into)
+      assert "@hoccl_rows_matmul(" in defs[base(into)]
+      chained += 1
+    assert chained == 1  # 2 pieces: the second waits on the first
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4, (1, 3)])
+def test_matmul_reduce_scatter_chunks(chunks, monkeypatch):
+  """chunks cuts the ring's pieces (bf16): equal to jax.lax for each; lowered for CUDA there
+  are n GEMMs per piece. A cut that does not fit the block fails at trace time."""
+  monkeypatch.setenv("JAX_HOCCL_CUBLASLT", "1")
+  mesh = MESHES["tp2"]
+  rng = np.random.default_rng(6)
+  x = put(mesh, rand(rng, (8, 4, 16), jnp.bfloat16), P(None, "dp", "tp"))  # local [8, 1, 8]
+  w = put(mesh, rand(rng, (16, 8), jnp.bfloat16), P("tp", None))
+  specs = (x.sharding.spec, w.sharding.spec)
+  sm = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs,  # noqa: E731
+                                       out_specs=P("tp", "dp", None)))
+  ours = sm(lambda x, w: hc.matmul_reduce_scatter(x, w, "tp", chunks=chunks))
+  ref = sm(lambda x, w: jax.lax.psum_scatter(x @ w, "tp", tiled=True))
+  assert_close(ours(x, w), ref(x, w), jnp.bfloat16, name=f"mmrs chunks={chunks}")
+  if hc.with_cuda:
+    cuda = ours.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    pieces = chunks if isinstance(chunks, int) else len(chunks)
+    assert cuda.count("@hoccl_rows_matmul(") == 2 * pieces
+  with pytest.raises(ValueError, match="chunks=3 does not divide the 4 rows"):
+    sm(lambda x, w: hc.matmul_reduce_scatter(x, w, "tp", chunks=3))(x, w)
+  with pytest.raises(ValueError, match=r"summing to the 4 rows"):
+    sm(lambda x, w: hc.matmul_reduce_scatter(x, w, "tp", chunks=(1, 2)))(x, w)
+
+
+
+
 # ------------------------------------------------------------------------------------------
 # vmap
 # ------------------------------------------------------------------------------------------

@@ -2,6 +2,13 @@
 hidden behind the matmul: the peers' rows are pulled by copy engines while XLA multiplies
 this rank's own rows (the column-parallel linear layer of sequence-parallel Megatron).
 
+The GEMM on this rank's rows must run between start and done. `pending.input` orders XLA
+compute after the start through an optimization barrier, but on GPU XLA moved its own dot
+(a Triton gemm_fusion) above the start anyway: the copies then waited for that GEMM, and the
+op took 1.28-1.35x the GEMM (2x H200, device timeline in benchmarks/probe_fused.py). A custom
+call that takes the start's token as an operand keeps the order (a data dependency), so where
+rows_matmul runs on cuBLASLt (bf16/f16) that GEMM is one.
+
 Backward: dx = matmul_reduce_scatter(ct, w.T) (overlapped the same way), dw from the rows
 gathered in the forward pass.
 """
@@ -13,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src.fused.rows_matmul import rows_matmul, runs_on_cublaslt
 from jax_hoccl._src.ops import async_collectives as ac
 from jax_hoccl._src.ops import common
 
@@ -22,9 +30,16 @@ def gather_and_multiply(x, w, axes, n):
   if n == 1:
     return x @ w, x
   pending = ac.all_gather_start(x, axes, peers_only=True)  # [n-1, m, ..., K], ranks r+1, r+2..
-  mine = pending.input @ w
-  others, mine = ac.done(pending, mine)
   k = x.shape[-1]
+  if runs_on_cublaslt(x.dtype, k, w.shape[-1]):
+    rows = x.reshape(-1, k)
+    mine = rows_matmul(rows, w, axes, n, shift=0, block_rows=0, piece_row0=0,
+                       rows=rows.shape[0], after=(pending.token,))
+    others = ac.done_after(pending, pending.token, mine)  # after the GEMM, not above it
+    mine = mine.reshape(*x.shape[:-1], w.shape[-1])
+  else:
+    mine = pending.input @ w
+    others, mine = ac.done(pending, mine)
   theirs = (others.reshape(-1, k) @ w).reshape(*others.shape[:-1], w.shape[-1])
   r = common.rank(axes)
   out = jnp.roll(jnp.concatenate([mine[None], theirs]), r, axis=0)  # index j = rank j's rows

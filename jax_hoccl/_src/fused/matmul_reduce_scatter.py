@@ -1,12 +1,17 @@
 """matmul_reduce_scatter(x, w, axis) == psum_scatter(x @ w, axis, scatter_dimension=0,
-tiled=True), with the exchange hidden behind the matmul: the partial product for rank j is
-computed and sent (copy engines) while XLA computes the next one; this rank's own partial
-is computed last, then the received partials are summed (the row-parallel linear layer).
+tiled=True), with the exchange hidden behind the matmul (the row-parallel linear layer).
 
-(A ring of pieces whose GEMMs add the received partial in their epilogue, ring.py with
-rows_matmul's cuBLASLt GEMMs, was measured on 2x H200 against this form in one run: 1.10x /
-1.13x the GEMM at M = 4096 / 16384 against this form's 1.11x / 1.10x, so it was dropped; its
-code, with the ordering its last step needs, is commit 4b04e51.)
+For bf16/f16 with K, N multiples of 8 (rows_matmul's cuBLASLt path on GPU) it runs as a ring
+(ring.py): pieces of the partial sums travel rank to rank, each GEMM a rows_matmul that reads
+x's rows in place, adds the received partial in its epilogue and writes the last step's pieces
+straight into the output, so nothing follows the last GEMM (no slice copies, no sum kernel, no
+concatenate, no transfer). Otherwise the partial product for rank j is computed (XLA's dot)
+and sent while the next one is computed, this rank's own partial last, then the received
+partials are summed.
+
+(Measured on 2x H200, one run, every output element consumed: see benchmarks/results and
+DESIGN.md. An earlier comparison had the benchmark consume one element of the output, which
+let XLA shrink the send form's final sum to one element and hid its cost.)
 
 Backward: dx = all_gather_matmul(ct, w.T) (overlapped), dw = x.T @ all_gather(ct).
 """
@@ -14,17 +19,37 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
-from jax_hoccl._src.fused import pipeline
+from jax_hoccl._src.fused import pipeline, ring
+from jax_hoccl._src.fused.rows_matmul import runs_on_cublaslt
 from jax_hoccl._src.ops import common
 
 
-def multiply_and_scatter(x, w, axes, n):
+def _ring(x, w, axes, n, chunks):
+  rows = x.shape[0] // n
+  inner = int(np.prod(x.shape[1:-1], dtype=np.int64))  # rows of x2 per row of x
+  # Two pieces by default: nothing follows the last GEMM, so smaller pieces only cost GEMM
+  # efficiency (2x H200, M = 4096 / 16384: 2 pieces 1.07x / 1.11x the GEMM, 4 pieces 1.09x /
+  # 1.12x); one piece would wait for the whole transfer.
+  if chunks is None:
+    chunks = 2 if rows % 2 == 0 else 1
+  pieces = ring.row_pieces(rows, 1, chunks, "matmul_reduce_scatter")
+  starts = np.concatenate([[0], np.cumsum(pieces)[:-1]])
+  out, _ = ring.reduce_scatter_ring(
+      x.reshape(-1, x.shape[-1]), w, axes, n, [r * inner for r in pieces],
+      lambda p: (rows * inner, int(starts[p]) * inner), final_rows=rows * inner)
+  return out.reshape(rows, *x.shape[1:-1], w.shape[1])
+
+
+def multiply_and_scatter(x, w, axes, n, chunks=None):
   if n == 1:
     return x @ w
+  if runs_on_cublaslt(x.dtype, *w.shape):  # (on CPU too, where its GEMMs are XLA's)
+    return _ring(x, w, axes, n, chunks)
   rows = x.shape[0] // n
 
   def partial_for(j, x):
@@ -34,17 +59,17 @@ def multiply_and_scatter(x, w, axes, n):
   return common.sum_leading(jnp.stack([mine, *received]))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _mmrs(x, w, axis_name):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _mmrs(x, w, axis_name, chunks):
   axes, n = axes_lib.check_axes(axis_name, "matmul_reduce_scatter")
-  return multiply_and_scatter(x, w, axes, n)
+  return multiply_and_scatter(x, w, axes, n, chunks)
 
 
-def _mmrs_fwd(x, w, axis_name):
-  return _mmrs(x, w, axis_name), (x, w)
+def _mmrs_fwd(x, w, axis_name, chunks):
+  return _mmrs(x, w, axis_name, chunks), (x, w)
 
 
-def _mmrs_bwd(axis_name, res, ct):
+def _mmrs_bwd(axis_name, chunks, res, ct):
   from jax_hoccl._src.fused.all_gather_matmul import gather_and_multiply
   x, w = res
   axes, n = axes_lib.check_axes(axis_name, "matmul_reduce_scatter")
@@ -57,10 +82,14 @@ def _mmrs_bwd(axis_name, res, ct):
 _mmrs.defvjp(_mmrs_fwd, _mmrs_bwd)
 
 
-def matmul_reduce_scatter(x, w, axis_name):
+def matmul_reduce_scatter(x, w, axis_name, *, chunks=None):
   """psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True) for x [M, ..., K]
   (K sharded over the axis: each rank holds a partial product) and w [K, N]; returns
-  [M/n, ..., N]. Call inside shard_map."""
+  [M/n, ..., N]. Call inside shard_map.
+
+  chunks: how each rank's M/n-row block is cut into the ring's pieces (bf16/f16): None (2),
+  an int c (c equal pieces) or a sequence of row counts summing to M/n.
+  Other dtypes send one block per rank and ignore it."""
   axes, n = axes_lib.check_axes(axis_name, "matmul_reduce_scatter")
   x, w = jnp.asarray(x), jnp.asarray(w)
   if x.ndim < 2 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
@@ -70,4 +99,7 @@ def matmul_reduce_scatter(x, w, axis_name):
     raise ValueError(f"jax_hoccl.matmul_reduce_scatter: x's leading dim {x.shape[0]} does not "
                      f"divide by the axis size {n} of {axes}.")
   axes_lib.check_dtype(x, "matmul_reduce_scatter", summable=True)
-  return _mmrs(common.ensure_varying(x, axes), w, axes)
+  if chunks is not None:
+    chunks = chunks if isinstance(chunks, int) else tuple(int(c) for c in chunks)
+    ring.row_pieces(x.shape[0] // n, 1, chunks, "matmul_reduce_scatter")  # at trace time
+  return _mmrs(common.ensure_varying(x, axes), w, axes, chunks)

@@ -25,9 +25,9 @@ from jax_hoccl._src.ops import async_collectives as ac
 # Every piece costs a ppermute and an all-gather on the async stream, each ~30-60 us of fixed
 # handshakes, and small GEMMs lose efficiency; too few pieces expose a big last transfer.
 # Measured on 2x H200 with rows_matmul's cuBLASLt GEMMs, K/n=4096, N=8192 bf16
-# (benchmarks/results/2026-11-30-2xNVIDIA-H200-fused.json and raw/*session3-fused*, two
-# interleaved runs): a 32 MiB block in 2 / 4 / 8 pieces took 1.27-1.29 / 1.23-1.27 / 1.61x
-# the GEMM, a 128 MiB block 1.29-1.30 / 1.26 / 1.25-1.26x; so pieces of ~8 MiB, at most 8.
+# (benchmarks/results/2026-11-30-2xNVIDIA-H200-fused.json, one interleaved run): a 32 MiB
+# block in 2 / 4 / 8 pieces took 1.27 / 1.23 / 1.62x the GEMM, a 128 MiB block 1.30 / 1.26 /
+# 1.26x; so pieces of ~8 MiB, at most 8.
 PIECE_BYTES = 8 << 20
 MAX_PIECES = 8
 
@@ -54,57 +54,72 @@ def row_pieces(rows: int, row_bytes: int, chunks, op: str) -> tuple[int, ...]:
 
 
 class Overlap:
-  """Orders XLA's compute against async exchanges with the latest start's token, so that
-  nothing is copied: compute reads its inputs through an optimization barrier with it (it runs
-  after that start, overlapping the copies), and a done reads it (it runs after the compute
-  before that start, not hoisted above it)."""
+  """Orders GEMMs (rows_matmul custom calls) against async exchanges by data dependencies
+  only, so that nothing is copied: a GEMM takes the latest start's token as an operand it
+  never reads (it runs after that start, overlapping the copies), and a done or wait takes the
+  token and the latest GEMM's result the same way (it runs after that GEMM instead of being
+  hoisted above it, where it would stall XLA's stream). Optimization barriers do not do this
+  on GPU: XLA removes them before scheduling (measured: GEMMs above their starts, dones above
+  their GEMMs)."""
 
   def __init__(self):
     self.token = None
+    self.last = None
 
-  def inputs(self, tree):
-    if self.token is None:
-      return tree
-    tree, self.token = jax.lax.optimization_barrier((tree, self.token))
-    return tree
+  def gemm_after(self) -> tuple:
+    """What the next GEMM must follow (its `after` operands)."""
+    return () if self.token is None else (self.token,)
+
+  def computed(self, result):
+    """Records `result` (a GEMM just issued): the next done or wait follows it."""
+    self.last = result
+    return result
 
   def start(self, pending: ac.Pending) -> ac.Pending:
     self.token = pending.token
     return pending
 
+  def _wait_after(self) -> tuple:
+    return tuple(a for a in (self.token, self.last) if a is not None)
+
   def done(self, pending: ac.Pending):
-    if self.token is None:
-      return ac.done(pending)[0]
-    return ac.done_after(pending, self.token)
+    after = self._wait_after()
+    return ac.done_after(pending, *after) if after else ac.done(pending)[0]
 
   def wait(self, pending: ac.Pending):
     """done for a start whose buffer went on to a later start of an `into` chain: what
     comes after (the next wait, the final done) is ordered after it."""
-    self.token = ac.wait_after(pending, self.token)
+    self.token = ac.wait_after(pending, *self._wait_after())
 
 
 def reduce_scatter_ring(x, w, axes, n: int, pieces: Sequence[int], layout: Callable,
-                        on_sum: Callable | None = None):
+                        on_sum: Callable | None = None, final_rows: int | None = None):
   """My block of x @ w summed over the ranks, in pieces.
 
   x is 2-D [M, K]. layout(p) -> (block_rows, piece_row0): piece p (pieces[p] rows) of block b
-  starts at x's row b * block_rows + piece_row0. Each summed piece is its own array, passed to
-  on_sum(p, summed, overlap) as it is ready (to start sending it) and returned in a list.
-  Also returns the Overlap (for what follows)."""
+  starts at x's row b * block_rows + piece_row0. With final_rows, the summed pieces are written
+  in place into one [final_rows, N] array, piece p at rows [O_p, O_p + pieces[p]) (returned);
+  else each is its own array, passed to on_sum(p, summed, overlap) as it is ready (to start
+  sending it) and returned in a list. Also returns the Overlap (for what follows)."""
   ov = Overlap()
   to_next = [(i, (i + 1) % n) for i in range(n)]
-  in_flight, mine = {}, []
+  offsets = [sum(pieces[:p]) for p in range(len(pieces))]
+  in_flight, mine, out = {}, [], None
   for s in range(n):
     for p, rows in enumerate(pieces):
       block_rows, piece_row0 = layout(p)
       received = ov.done(in_flight.pop(p)) if s > 0 else None  # added in the GEMM's epilogue
       args = dict(shift=n - s - 1, block_rows=block_rows, piece_row0=piece_row0, rows=rows,
                   c=received)
-      part = rows_matmul(ov.inputs(x), w, axes, n, **args)
+      if s == n - 1 and final_rows is not None:
+        out = ov.computed(rows_matmul(x, w, axes, n, into=out, out_rows=final_rows,
+                                      out_row0=offsets[p], after=ov.gemm_after(), **args))
+        continue
+      part = ov.computed(rows_matmul(x, w, axes, n, after=ov.gemm_after(), **args))
       if s < n - 1:
         in_flight[p] = ov.start(ac.ppermute_start(part, axes, to_next))
       else:
         mine.append(part)
         if on_sum is not None:
           on_sum(p, part, ov)
-  return mine, ov
+  return (out if final_rows is not None else mine), ov

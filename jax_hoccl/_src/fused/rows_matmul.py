@@ -31,22 +31,23 @@ CUBLASLT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
 def _abstract_eval(x, w, *rest, axes, axis_size, shift, block_rows, piece_row0, rows, out_rows,
-                   out_row0, has_c, has_into):
+                   out_row0, has_c, has_into, n_after):
   vma = set().union(*(ji.varying_axes(a) for a in (x, w, *rest)))
   if has_into:
-    return ji.with_type(rest[-1], rest[-1].shape, vma)
+    into = rest[int(has_c)]
+    return ji.with_type(into, into.shape, vma)
   return ji.with_type(x, (out_rows, w.shape[1]), vma)
 
 
 def _reference(x, w, *rest, axes, axis_size, shift, block_rows, piece_row0, rows, out_rows,
-               out_row0, has_c, has_into):
+               out_row0, has_c, has_into, n_after):
   r = jax.lax.axis_index(axes[0] if len(axes) == 1 else axes)
   start = ((r + shift) % axis_size) * block_rows + piece_row0
   y = jax.lax.dynamic_slice_in_dim(x, start, rows, axis=0) @ w
   if has_c:
     y = y + rest[0]
   if has_into:
-    return jax.lax.dynamic_update_slice_in_dim(rest[-1], y, out_row0, axis=0)
+    return jax.lax.dynamic_update_slice_in_dim(rest[int(has_c)], y, out_row0, axis=0)
   return jnp.pad(y, ((out_row0, out_rows - out_row0 - rows), (0, 0)))
 
 
@@ -85,10 +86,10 @@ def _preload_cublaslt() -> None:
 
 
 def _cuda_lowering(ctx, x, w, *rest, axes, axis_size, shift, block_rows, piece_row0, rows,
-                   out_rows, out_row0, has_c, has_into):
+                   out_rows, out_row0, has_c, has_into, n_after):
   params = dict(axes=axes, axis_size=axis_size, shift=shift, block_rows=block_rows,
                 piece_row0=piece_row0, rows=rows, out_rows=out_rows, out_row0=out_row0,
-                has_c=has_c, has_into=has_into)
+                has_c=has_c, has_into=has_into, n_after=n_after)
   k, n_out = ctx.avals_in[1].shape
   if not runs_on_cublaslt(ctx.avals_in[0].dtype, k, n_out):
     return ji.lower_fun(_reference, multiple_results=False)(ctx, x, w, *rest, **params)
@@ -115,12 +116,18 @@ ji.register_lowering(rows_matmul_p, _cuda_lowering, platform="cuda")
 
 
 def rows_matmul(x, w, axes, n, *, shift, block_rows, piece_row0, rows, c=None, into=None,
-                out_rows=None, out_row0=0):
+                out_rows=None, out_row0=0, after=()):
   """x [M, K] (2-D), w [K, N]. Returns `into` with rows [out_row0, out_row0 + rows) set (into
-  is donated), or a new [out_rows or rows, N] array with only those rows defined."""
-  rest = tuple(a for a in (c, into) if a is not None)
+  is donated), or a new [out_rows or rows, N] array with only those rows defined.
+
+  after: arrays (async starts' tokens) the GEMM is ordered after. They are operands of the
+  custom call that it never reads: a data dependency, which no XLA pass drops. (An
+  optimization barrier is not one on GPU: XLA removes barriers before it schedules, and it
+  hoisted GEMMs above the starts they were meant to follow.)"""
+  rest = tuple(a for a in (c, into) if a is not None) + tuple(after)
   return rows_matmul_p.bind(
       x, w, *rest, axes=tuple(axes), axis_size=int(n), shift=int(shift) % int(n),
       block_rows=int(block_rows), piece_row0=int(piece_row0), rows=int(rows),
       out_rows=int(into.shape[0] if into is not None else (out_rows or rows)),
-      out_row0=int(out_row0), has_c=c is not None, has_into=into is not None)
+      out_row0=int(out_row0), has_c=c is not None, has_into=into is not None,
+      n_after=len(after))

@@ -222,19 +222,20 @@ def done(pending: Pending, *deps):
   return (pending.finish(buf), *jax.tree.unflatten(tree, flat))
 
 
-def done_after(pending: Pending, token):
-  """done's result, the wait ordered after `token` (a start's token): the fused ops' way to
-  keep a done behind the compute before it without aliasing (and copying) the token."""
-  buf, = done_p.bind(pending.buffer, pending.input, token, site=pending.site, wait_only=False,
-                     n_after=1)
+def done_after(pending: Pending, *after):
+  """done's result, the wait ordered after the arrays `after` (a start's token, the result of
+  the compute before the wait): operands it never reads, a data dependency that keeps the done
+  behind that compute without aliasing (and copying) them."""
+  buf, = done_p.bind(pending.buffer, pending.input, *after, site=pending.site, wait_only=False,
+                     n_after=len(after))
   return pending.finish(buf)
 
 
-def wait_after(pending: Pending, token):
+def wait_after(pending: Pending, *after):
   """done_after without the result, for a start of an `into` chain whose buffer went on to
   the next start of the chain (which owns it now). Returns a token ordered after the wait."""
-  token, = done_p.bind(pending.input, pending.input, token, site=pending.site, wait_only=True,
-                       n_after=1)
+  token, = done_p.bind(pending.input, pending.input, *after, site=pending.site,
+                       wait_only=True, n_after=len(after))
   return token
 
 
