@@ -66,6 +66,15 @@ class Overlap:
     self.token = None
     self.last = None
 
+  def inputs(self, tree):
+    """`tree` through an optimization barrier with the token, for GEMMs that are XLA's own
+    ops (rows_matmul's fallback: f32, JAX_HOCCL_CUBLASLT=0, CPU). It keeps XLA from merging
+    the pieces back into one GEMM; on GPU it does not order them (see above)."""
+    if self.token is None:
+      return tree
+    tree, _ = jax.lax.optimization_barrier((tree, self.token))
+    return tree
+
   def gemm_after(self) -> tuple:
     """What the next GEMM must follow (its `after` operands)."""
     return () if self.token is None else (self.token,)
@@ -112,10 +121,10 @@ def reduce_scatter_ring(x, w, axes, n: int, pieces: Sequence[int], layout: Calla
       args = dict(shift=n - s - 1, block_rows=block_rows, piece_row0=piece_row0, rows=rows,
                   c=received)
       if s == n - 1 and final_rows is not None:
-        out = ov.computed(rows_matmul(x, w, axes, n, into=out, out_rows=final_rows,
+        out = ov.computed(rows_matmul(ov.inputs(x), w, axes, n, into=out, out_rows=final_rows,
                                       out_row0=offsets[p], after=ov.gemm_after(), **args))
         continue
-      part = ov.computed(rows_matmul(x, w, axes, n, after=ov.gemm_after(), **args))
+      part = ov.computed(rows_matmul(ov.inputs(x), w, axes, n, after=ov.gemm_after(), **args))
       if s < n - 1:
         in_flight[p] = ov.start(ac.ppermute_start(part, axes, to_next))
       else:
