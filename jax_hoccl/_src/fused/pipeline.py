@@ -4,8 +4,11 @@
     compute my own block while the last blocks are in flight
     wait for everything
 
-Each compute after a start reads its inputs through `after_start`, so XLA cannot hoist it
-above the start and the copy engines move block k while the SMs compute block k+1.
+Each compute after a start reads its inputs through `after_start` (an optimization barrier
+with the start's token), meant to keep it after the start so that the copy engines move block
+k while the SMs compute block k+1. On CPU that holds; on GPU XLA removes barriers before it
+schedules, so the order of XLA's compute against the start is XLA's choice (values are right
+either way; see README "Ordering on GPU").
 """
 from __future__ import annotations
 

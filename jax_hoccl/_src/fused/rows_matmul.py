@@ -5,8 +5,8 @@ piece_row0 picks this rank's rows.
 On GPU, for bf16/f16, it is one cuBLASLt call (cc/rows_matmul_cuda.cc) that reads x's rows
 and writes the output's rows through pointer offsets: no copy of x's rows, `+ c` (a received
 partial sum) in the GEMM's epilogue instead of a kernel, and optionally the rows written in
-place into a buffer chained from call to call (`into`, so pieces need no concatenate; no fused
-op uses it since matmul_reduce_scatter's ring was dropped, commit 4b04e51 has that user).
+place into a buffer chained from call to call (`into`, so pieces need no concatenate:
+matmul_reduce_scatter's ring writes its output that way).
 With XLA's own dot matmul_psum paid for the copies and the adds (measured on H200: most of
 its overhead over the GEMM alone). Otherwise (JAX_HOCCL_CUBLASLT=0; CPU; f32 and other
 dtypes) it lowers to XLA's dynamic_slice, dot, add and dynamic_update_slice: the same values.

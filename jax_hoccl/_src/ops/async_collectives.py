@@ -4,10 +4,12 @@
     y_mine = pending.input @ w                  # runs while peers' blocks are in flight
     gathered, y_mine = jax_hoccl.done(pending, y_mine)
 
-The only legal schedule is start -> compute -> done, enforced by data dependencies rather
-than hope: `pending.input` is x passed through an optimization barrier together with a token
-that start outputs (so compute that reads it runs after start, and nothing is copied), and
-done takes the compute's results and hands them back aliased (so done runs after them).
+done takes the compute's results and hands them back aliased (so done runs after them: a data
+dependency). `pending.input` is x passed through an optimization barrier together with a token
+that start outputs, meant to keep compute that reads it after start without copying x; but on
+GPU XLA removes barriers before it schedules, so there XLA may still run that compute before
+the start (values stay right; the overlap is lost). Custom calls that take the token as an
+operand (the fused ops' rows_matmul GEMMs) are ordered for real.
 done also takes x, which keeps x alive until done, because peers read it in between.
 On GPU the copies run on side streams (copy engines) between start and done; on CPU start
 does the whole exchange and done is free.
