@@ -3,8 +3,10 @@ scheduled its instructions in (custom calls, GEMMs, copies, fusions), one line e
 
     python3 benchmarks/probe_fused.py matmul_psum 2      # op, chunks
 
-PROBE_TIMELINE=1 adds the device timeline of one call (jax.profiler's trace): every kernel and
-copy per GPU and stream, in microseconds from the call's first event.
+PROBE_TIMELINE=1 adds device timelines (jax.profiler's trace) of the benchmark's loop of
+bench_fused.ITERS calls for the GEMM alone, the op and jax.lax's form: every kernel and copy
+per GPU and stream in microseconds, then each stream's busy time and the compute stream's idle
+time. PROBE_TIMELINE=summary prints only those totals.
 """
 from __future__ import annotations
 

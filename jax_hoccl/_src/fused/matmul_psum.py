@@ -103,6 +103,5 @@ def matmul_psum(x, w, axis_name, *, chunks=None):
     if x.shape[0] % n:
       raise ValueError(f"jax_hoccl.matmul_psum: chunks={chunks} needs M={x.shape[0]} to divide "
                        f"by the axis size {n} of {axes}.")
-    chunks = chunks if isinstance(chunks, int) else tuple(int(c) for c in chunks)
-    ring.row_pieces(x.shape[0] // n, 1, chunks, "matmul_psum")  # checks, at trace time
+    chunks = ring.checked_chunks(chunks, x.shape[0] // n, "matmul_psum")
   return _mmps(common.ensure_varying(x, axes), w, axes, chunks)

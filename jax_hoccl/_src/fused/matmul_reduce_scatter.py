@@ -9,9 +9,11 @@ concatenate, no transfer). Otherwise the partial product for rank j is computed 
 and sent while the next one is computed, this rank's own partial last, then the received
 partials are summed.
 
-(Measured on 2x H200, one run, every output element consumed: see benchmarks/results and
-DESIGN.md. An earlier comparison had the benchmark consume one element of the output, which
-let XLA shrink the send form's final sum to one element and hid its cost.)
+(On 2x H200, every output element consumed, the ring took 1.07x / 1.09x the GEMM at
+M = 4096 / 16384 against the send form's 1.20x / 1.24x, in
+benchmarks/results/2026-11-30-2xNVIDIA-H200-fused.json. An earlier comparison had the
+benchmark consume one element of the output, which let XLA shrink the send form's final sum to
+one element and hid its cost.)
 
 Backward: dx = all_gather_matmul(ct, w.T) (overlapped), dw = x.T @ all_gather(ct).
 """
@@ -33,8 +35,9 @@ def _ring(x, w, axes, n, chunks):
   rows = x.shape[0] // n
   inner = int(np.prod(x.shape[1:-1], dtype=np.int64))  # rows of x2 per row of x
   # Two pieces by default: nothing follows the last GEMM, so smaller pieces only cost GEMM
-  # efficiency (2x H200, M = 4096 / 16384: 2 pieces 1.07x / 1.11x the GEMM, 4 pieces 1.09x /
-  # 1.12x); one piece would wait for the whole transfer.
+  # efficiency (2x H200, M = 4096 / 16384, in the results file above: 2 pieces 1.07-1.10x /
+  # 1.09-1.14x the GEMM (two rows of that config in one run), 4 pieces 1.13x / 1.14x); one
+  # piece would wait for the whole transfer.
   if chunks is None:
     chunks = 2 if rows % 2 == 0 else 1
   pieces = ring.row_pieces(rows, 1, chunks, "matmul_reduce_scatter")
@@ -100,6 +103,5 @@ def matmul_reduce_scatter(x, w, axis_name, *, chunks=None):
                      f"divide by the axis size {n} of {axes}.")
   axes_lib.check_dtype(x, "matmul_reduce_scatter", summable=True)
   if chunks is not None:
-    chunks = chunks if isinstance(chunks, int) else tuple(int(c) for c in chunks)
-    ring.row_pieces(x.shape[0] // n, 1, chunks, "matmul_reduce_scatter")  # at trace time
+    chunks = ring.checked_chunks(chunks, x.shape[0] // n, "matmul_reduce_scatter")
   return _mmrs(common.ensure_varying(x, axes), w, axes, chunks)

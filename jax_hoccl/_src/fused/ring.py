@@ -25,9 +25,9 @@ from jax_hoccl._src.ops import async_collectives as ac
 # Every piece costs a ppermute and an all-gather on the async stream, each ~30-60 us of fixed
 # handshakes, and small GEMMs lose efficiency; too few pieces expose a big last transfer.
 # Measured on 2x H200 with rows_matmul's cuBLASLt GEMMs, K/n=4096, N=8192 bf16
-# (benchmarks/results/2026-11-30-2xNVIDIA-H200-fused.json, one interleaved run): a 32 MiB
-# block in 2 / 4 / 8 pieces took 1.27 / 1.23 / 1.62x the GEMM, a 128 MiB block 1.30 / 1.26 /
-# 1.26x; so pieces of ~8 MiB, at most 8.
+# (session 3, raw/*session3-fused*, two interleaved runs): a 32 MiB block in 2 / 4 / 8 pieces
+# took 1.27-1.29 / 1.23-1.27 / 1.61x the GEMM, a 128 MiB block 1.29-1.30 / 1.26 / 1.25-1.26x;
+# so pieces of ~8 MiB, at most 8.
 PIECE_BYTES = 8 << 20
 MAX_PIECES = 8
 
@@ -53,6 +53,14 @@ def row_pieces(rows: int, row_bytes: int, chunks, op: str) -> tuple[int, ...]:
   return pieces
 
 
+def checked_chunks(chunks, rows: int, op: str):
+  """A user's `chunks` (not None) as an int or a tuple of ints, checked against a block of
+  `rows` rows at trace time (row_pieces raises the error)."""
+  chunks = chunks if isinstance(chunks, int) else tuple(int(c) for c in chunks)
+  row_pieces(rows, 1, chunks, op)
+  return chunks
+
+
 class Overlap:
   """Orders GEMMs (rows_matmul custom calls) against async exchanges by data dependencies
   only, so that nothing is copied: a GEMM takes the latest start's token as an operand it
@@ -68,8 +76,9 @@ class Overlap:
 
   def inputs(self, tree):
     """`tree` through an optimization barrier with the token, for GEMMs that are XLA's own
-    ops (rows_matmul's fallback: f32, JAX_HOCCL_CUBLASLT=0, CPU). It keeps XLA from merging
-    the pieces back into one GEMM; on GPU it does not order them (see above)."""
+    ops (rows_matmul's fallback: f32, JAX_HOCCL_CUBLASLT=0, CPU). It does not order them on
+    GPU (see above), but without it that fallback gave wrong values on 2x H200 with uneven
+    pieces (test_matmul_psum_ring_on_gpu; cause not found), so it stays."""
     if self.token is None:
       return tree
     tree, _ = jax.lax.optimization_barrier((tree, self.token))
