@@ -2,6 +2,7 @@
 scheduled its instructions in (custom calls, GEMMs, copies, fusions), one line each.
 
     python3 benchmarks/probe_fused.py matmul_psum 2      # op, chunks
+    python3 benchmarks/probe_fused.py matmul_all_to_all  # or embedding_all_to_all
 
 PROBE_TIMELINE=1 adds device timelines (jax.profiler's trace) of the benchmark's loop of
 bench_fused.ITERS calls for the GEMM alone, the op and jax.lax's form: every kernel and copy
@@ -99,8 +100,45 @@ def timeline(f, args, calls=3):
       print(f"    compute stream idle between its kernels: {idle / 1e3:.1f} us")
 
 
+def all_to_all_op(op):
+  """matmul_all_to_all / embedding_all_to_all at the benchmark's shapes: time against the
+  compute alone and jax.lax's form, the schedule, and with PROBE_TIMELINE the timelines."""
+  from bench_fused import ITERS, looped
+  devices = jax.devices()
+  n = len(devices)
+  mesh = jax.make_mesh((n,), ("x",))
+  rng = np.random.default_rng(0)
+  if op == "matmul_all_to_all":
+    e, c, h, d = 4, 2048, 4096, 4096
+    args = tuple((rng.standard_normal(s, dtype=np.float32) * 0.05).astype(jnp.bfloat16)
+                 for s in ((n * n, e, c, h), (n * e, h, d)))
+    alone = jnp.matmul
+    body = lambda x, w: jax_hoccl.matmul_all_to_all(x, w, "x")  # noqa: E731
+  else:
+    v, dim, b, l = 1 << 20, 128, 65536, 20
+    args = (rng.standard_normal((n * v, dim), dtype=np.float32),
+            rng.integers(0, v, (n * n, b, l)).astype(np.int32))
+    alone = lambda t, i: jnp.take(t, i, axis=0).sum(-2)  # noqa: E731
+    body = lambda t, i: jax_hoccl.embedding_all_to_all(t, i, "x")  # noqa: E731
+  lax_body = lambda *a: jax.lax.all_to_all(alone(*a), "x", 0, 0, tiled=True)  # noqa: E731
+  specs = (P("x"), P("x"))
+  (res, ms_alone), = [_paired(mesh, alone, args, {"op": body, "lax": lax_body}, args, specs)]
+  print(f"{op}: {res['op'][0]:.3f} ms, jax.lax {res['lax'][0]:.3f} ms "
+        f"({res['op'][0] / res['lax'][0]:.3f}x), compute alone {ms_alone:.3f} ms")
+  dev_args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("x")))
+  for line in schedule(f.lower(*dev_args).compile().as_text()):
+    print("   ", line)
+  if os.environ.get("PROBE_TIMELINE"):
+    for label, b in (("the compute alone", alone), (op, body), (f"jax.lax's {op}", lax_body)):
+      print(f"  {label}, {ITERS} calls in a loop:")
+      timeline(looped(mesh, b, specs), dev_args)
+
+
 def main():
   op, chunks = sys.argv[1], eval(sys.argv[2]) if len(sys.argv) > 2 else None
+  if op in ("matmul_all_to_all", "embedding_all_to_all"):
+    return all_to_all_op(op)
   m_total = int(os.environ.get("PROBE_M", 4096))
   k = int(os.environ.get("PROBE_K", 8192))
   devices = jax.devices()

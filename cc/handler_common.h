@@ -16,13 +16,15 @@ namespace hoccl {
 inline xla::ffi::Error DecodeOp(OpKind op, int64_t device, size_t in_bytes, size_t out_bytes,
                                 xla::ffi::Span<const int64_t> groups, int64_t group_size,
                                 xla::ffi::Span<const int64_t> permute_dst, bool peers_only,
-                                OpSpec* spec, std::vector<int64_t>* group_ids) {
+                                OpSpec* spec, std::vector<int64_t>* group_ids,
+                                bool at_source_slot = false) {
   GroupPosition pos;
   std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
   if (!err.empty())
     return xla::ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) + ": " + err);
   *spec = OpSpec{op, static_cast<int>(group_size), pos.rank, in_bytes, {}, peers_only};
   spec->permute_dst.assign(permute_dst.begin(), permute_dst.end());
+  spec->at_source_slot = at_source_slot;
   if (out_bytes != OutputBytes(*spec))
     return xla::ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) +
                                             ": output size does not match the input");
@@ -30,8 +32,9 @@ inline xla::ffi::Error DecodeOp(OpKind op, int64_t device, size_t in_bytes, size
   return xla::ffi::Error::Success();
 }
 
-// all_gather_into's operands (x[, dst]) and the rows [offset, offset + n * |x|) of `out` it
-// writes, checked against out's size.
+// into_start's operands (x[, dst]) and the rows [offset, offset + n * |x|) of `out` it
+// writes (all_gather: every rank's slot; ppermute: the sender's slot), checked against out's
+// size.
 struct IntoRows {
   xla::ffi::AnyBuffer x;
   void* dst = nullptr;
@@ -44,7 +47,7 @@ inline xla::ffi::ErrorOr<IntoRows> DecodeInto(xla::ffi::RemainingArgs args,
   if (x.has_error()) return x.error();
   size_t bytes = x->size_bytes() * static_cast<size_t>(group_size);
   if (offset < 0 || static_cast<size_t>(offset) + bytes > out.size_bytes())
-    return xla::ffi::Error::InvalidArgument("jax_hoccl all_gather_into: rows out of the buffer");
+    return xla::ffi::Error::InvalidArgument("jax_hoccl into_start: rows out of the buffer");
   return IntoRows{*x, static_cast<char*>(out.untyped_data()) + offset, bytes};
 }
 

@@ -3,8 +3,10 @@
 // (see jax_hoccl/_src/axes.py). Async pairs: `<op>_start` takes the same plus peers_only for
 // all_gather and returns (out, token): it enqueues the copies and returns at once, out still
 // being filled; `done` makes XLA's stream wait for them, its outputs aliasing its inputs
-// (jax_hoccl/_src/ops/async_collectives.py). `all_gather_into_start` writes its result into
-// rows [offset, ...) of a larger buffer, donated or new: fused ops assemble outputs with it.
+// (jax_hoccl/_src/ops/async_collectives.py). `into_start` writes an all_gather's result, or a
+// ppermute's into the sender's slot, into rows [offset, ...) of a larger buffer, donated or
+// new: fused ops assemble outputs with it. `after` passes arrays through (aliased) so that
+// XLA's compute on them depends on a start's token.
 #ifndef JAX_HOCCL_HANDLERS_H_
 #define JAX_HOCCL_HANDLERS_H_
 
@@ -27,17 +29,18 @@ XLA_FFI_Error* kAllGatherCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllGatherStartCpu(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* kAllGatherIntoStartCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kIntoStartCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllStartCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteStartCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kDoneCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kOrderAfter(XLA_FFI_CallFrame* call_frame);  // CPU and CUDA: a no-op
 XLA_FFI_Error* kInstantiateCpuCall(XLA_FFI_CallFrame* call_frame);
 #ifdef JAX_HOCCL_WITH_CUDA
 XLA_FFI_Error* kAllGatherCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllGatherStartCuda(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* kAllGatherIntoStartCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kIntoStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kDoneCuda(XLA_FFI_CallFrame* call_frame);

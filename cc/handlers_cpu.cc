@@ -49,12 +49,12 @@ ffi::Future Failed(ffi::Error error) {
 ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, ffi::AnyBuffer x,
                    void* out_data, size_t out_bytes, ffi::Span<const int64_t> groups,
                    int64_t group_size, ffi::Span<const int64_t> permute_dst,
-                   bool peers_only = false) {
+                   bool peers_only = false, bool at_source_slot = false) {
   HostTimer timer("cpu handler");  // decode and rendezvous; the copies run at the last arrival
   OpSpec spec;
   std::vector<int64_t> ids;
   ffi::Error decoded = DecodeOp(op, device, x.size_bytes(), out_bytes, groups, group_size,
-                                permute_dst, peers_only, &spec, &ids);
+                                permute_dst, peers_only, &spec, &ids, at_source_slot);
   if (!decoded.success()) return Failed(std::move(decoded));
   std::string err = ValidateSpec(spec);
   if (!err.empty())
@@ -79,34 +79,41 @@ ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, ffi::AnyBuffe
 
 // Async pairs on CPU: there are no streams to overlap with, so `start` runs the whole op and
 // `done` has nothing left to wait for. Output 1 of start is an ordering token nobody reads,
-// and done's outputs alias its inputs (set in the lowering), so neither copies.
+// and done's outputs alias its inputs (set in the lowering), so neither copies; output 2 is x
+// itself (aliased): compute on it depends on the start (async_collectives.py says why).
 ffi::Future AllGatherStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
-                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
+                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token*/,
+                              ffi::Result<ffi::AnyBuffer> /*x, aliased*/,
                               ffi::Span<const int64_t> groups, int64_t group_size,
                               int64_t peers_only, int64_t /*stream: GPU only*/, int64_t /*site*/) {
   return RunCpu(OpKind::kAllGather, device, call, x, out->untyped_data(), out->size_bytes(),
                 groups, group_size, {}, peers_only != 0);
 }
-// all_gather into rows [offset, ...) of a larger buffer: args (x[, dst]), the output aliasing
-// dst when given (handlers_cuda.cc says more).
-ffi::Future AllGatherIntoStartCpu(int32_t device, CpuCall* call, ffi::RemainingArgs args,
-                                  ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
-                                  ffi::Span<const int64_t> groups, int64_t group_size,
-                                  int64_t offset, int64_t /*stream: GPU only*/, int64_t /*site*/) {
+// all_gather, or a ppermute into the sender's slot, into rows [offset, ...) of a larger
+// buffer: args (x[, dst]), the output aliasing dst when given (handlers_cuda.cc says more).
+ffi::Future IntoStartCpu(int32_t device, CpuCall* call, ffi::RemainingArgs args,
+                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token*/,
+                         ffi::Result<ffi::AnyBuffer> /*x, aliased*/,
+                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t offset,
+                         ffi::Span<const int64_t> permute_dst, int64_t /*stream: GPU only*/,
+                         int64_t /*site*/) {
   auto into = DecodeInto(args, *out, group_size, offset);
   if (into.has_error()) return Failed(into.error());
-  return RunCpu(OpKind::kAllGather, device, call, into->x, into->dst, into->bytes, groups,
-                group_size, {});
+  const bool permute = permute_dst.size() > 0;
+  return RunCpu(permute ? OpKind::kPermute : OpKind::kAllGather, device, call, into->x,
+                into->dst, into->bytes, groups, group_size, permute_dst, false, permute);
 }
 ffi::Future AllToAllStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
-                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token*/,
+                             ffi::Result<ffi::AnyBuffer> /*x, aliased*/,
                              ffi::Span<const int64_t> groups, int64_t group_size,
                              int64_t /*stream: GPU only*/, int64_t /*site*/) {
   return RunCpu(OpKind::kAllToAll, device, call, x, out->untyped_data(), out->size_bytes(),
                 groups, group_size, {});
 }
 ffi::Future PermuteStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token*/,
+                            ffi::Result<ffi::AnyBuffer> /*x, aliased*/,
                             ffi::Span<const int64_t> groups, int64_t group_size,
                             ffi::Span<const int64_t> permute_dst,
                             int64_t /*stream: GPU only*/, int64_t /*site*/) {
@@ -116,6 +123,12 @@ ffi::Future PermuteStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
 ffi::Error DoneCpu(ffi::RemainingArgs, ffi::RemainingRets, int64_t /*site of the start*/) {
   return ffi::Error::Success();
 }
+
+// hoccl_after (token, *arrays) -> arrays, each output aliasing its array: nothing to do at run
+// time. It exists for XLA: compute that reads the outputs depends on the token, so it cannot
+// run before the start that made the token (an optimization barrier does not hold on GPU).
+// Touches no stream, so the one handler serves CPU and CUDA (module.cc).
+ffi::Error OrderAfter(ffi::RemainingArgs, ffi::RemainingRets) { return ffi::Error::Success(); }
 
 ffi::Future AllGatherCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
@@ -146,21 +159,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCpu, AllGatherStartCpu,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("peers_only")
                                   .Attr<int64_t>("stream")
                                   .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherIntoStartCpu, AllGatherIntoStartCpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kIntoStartCpu, IntoStartCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Ctx<ffi::State<CpuCall>>()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("offset")
+                                  .Attr<ffi::Span<const int64_t>>("permute_dst")
                                   .Attr<int64_t>("stream")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCpu, AllToAllStartCpu,
@@ -168,6 +184,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCpu, AllToAllStartCpu,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Ctx<ffi::State<CpuCall>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
@@ -181,6 +198,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCpu, PermuteStartCpu,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<ffi::Span<const int64_t>>("permute_dst")
@@ -188,6 +206,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCpu, PermuteStartCpu,
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kInstantiateCpuCall, InstantiateCpuCall,
                               ffi::Ffi::BindInstantiate().Attrs());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kOrderAfter, OrderAfter,
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kDoneCpu, DoneCpu,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attr<int64_t>(
                                   "site"));

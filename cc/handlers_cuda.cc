@@ -133,7 +133,8 @@ ffi::Error CudaFail(const char* what, cudaError_t e) {
 ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
                      void* out_data, size_t out_bytes, ffi::Span<const int64_t> groups,
                      int64_t group_size, ffi::Span<const int64_t> permute_dst,
-                     int64_t stream_index, int64_t site, bool peers_only) {
+                     int64_t stream_index, int64_t site, bool peers_only,
+                     bool at_source_slot = false) {
   HostTimer timer("start");
   if (stream_index < 0 || stream_index >= kMaxAsyncLanes)
     return ffi::Error::InvalidArgument("jax_hoccl async: stream " + std::to_string(stream_index) +
@@ -153,7 +154,7 @@ ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, ffi::An
   OpSpec spec;
   std::vector<int64_t> ids;
   ffi::Error decoded = DecodeOp(op, device, x.size_bytes(), out_bytes, groups, group_size,
-                                permute_dst, peers_only, &spec, &ids);
+                                permute_dst, peers_only, &spec, &ids, at_source_slot);
   if (!decoded.success()) return decoded;
   if (spec.bytes > 0 && OutputBytes(spec) > 0) {
     Communicator& comm = CudaCommunicator(ids);
@@ -173,33 +174,40 @@ ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, ffi::An
 }
 
 ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
+                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token*/,
+                              ffi::Result<ffi::AnyBuffer> /*x, aliased*/,
                               ffi::Span<const int64_t> groups, int64_t group_size,
                               int64_t peers_only, int64_t stream_index, int64_t site) {
   return StartCuda(OpKind::kAllGather, stream, device, x, out->untyped_data(), out->size_bytes(),
                    groups, group_size, {}, stream_index, site, peers_only != 0);
 }
-// all_gather into rows of a larger buffer: args (x[, dst]); when dst is given the output
-// aliases it (set in the lowering), else XLA allocates it and the other rows stay unwritten
-// for later calls of the chain.
-ffi::Error AllGatherIntoStartCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
-                                  ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
-                                  ffi::Span<const int64_t> groups, int64_t group_size,
-                                  int64_t offset, int64_t stream_index, int64_t site) {
+// all_gather (permute_dst empty), or a ppermute into the sender's slot, into rows of a larger
+// buffer: args (x[, dst]); when dst is given the output aliases it (set in the lowering),
+// else XLA allocates it and the other rows stay unwritten for later calls of the chain.
+ffi::Error IntoStartCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
+                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token*/,
+                         ffi::Result<ffi::AnyBuffer> /*x, aliased*/,
+                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t offset,
+                         ffi::Span<const int64_t> permute_dst, int64_t stream_index,
+                         int64_t site) {
   auto into = DecodeInto(args, *out, group_size, offset);
   if (into.has_error()) return into.error();
-  return StartCuda(OpKind::kAllGather, stream, device, into->x, into->dst, into->bytes, groups,
-                   group_size, {}, stream_index, site, false);
+  const bool permute = permute_dst.size() > 0;
+  return StartCuda(permute ? OpKind::kPermute : OpKind::kAllGather, stream, device, into->x,
+                   into->dst, into->bytes, groups, group_size, permute_dst, stream_index, site,
+                   false, permute);
 }
 ffi::Error AllToAllStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token*/,
+                             ffi::Result<ffi::AnyBuffer> /*x, aliased*/,
                              ffi::Span<const int64_t> groups, int64_t group_size,
                              int64_t stream_index, int64_t site) {
   return StartCuda(OpKind::kAllToAll, stream, device, x, out->untyped_data(), out->size_bytes(),
                    groups, group_size, {}, stream_index, site, false);
 }
 ffi::Error PermuteStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token*/,
+                            ffi::Result<ffi::AnyBuffer> /*x, aliased*/,
                             ffi::Span<const int64_t> groups, int64_t group_size,
                             ffi::Span<const int64_t> permute_dst, int64_t stream_index,
                             int64_t site) {
@@ -232,21 +240,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCuda, AllGatherStartCuda,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("peers_only")
                                   .Attr<int64_t>("stream")
                                   .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherIntoStartCuda, AllGatherIntoStartCuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kIntoStartCuda, IntoStartCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("offset")
+                                  .Attr<ffi::Span<const int64_t>>("permute_dst")
                                   .Attr<int64_t>("stream")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCuda, AllToAllStartCuda,
@@ -254,6 +265,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCuda, AllToAllStartCuda,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
@@ -265,6 +277,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCuda, PermuteStartCuda,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")

@@ -60,12 +60,12 @@ nb::dict Registrations() {
   // Async pairs.
   add("hoccl_all_gather_start", CpuStaged(hoccl::kAllGatherStartCpu),
       HOCCL_CUDA(kAllGatherStartCuda));
-  add("hoccl_all_gather_into_start", CpuStaged(hoccl::kAllGatherIntoStartCpu),
-      HOCCL_CUDA(kAllGatherIntoStartCuda));
+  add("hoccl_into_start", CpuStaged(hoccl::kIntoStartCpu), HOCCL_CUDA(kIntoStartCuda));
   add("hoccl_all_to_all_start", CpuStaged(hoccl::kAllToAllStartCpu),
       HOCCL_CUDA(kAllToAllStartCuda));
   add("hoccl_ppermute_start", CpuStaged(hoccl::kPermuteStartCpu), HOCCL_CUDA(kPermuteStartCuda));
   add("hoccl_done", Capsule(hoccl::kDoneCpu), HOCCL_CUDA(kDoneCuda));
+  add("hoccl_after", Capsule(hoccl::kOrderAfter), HOCCL_CUDA(kOrderAfter));
   // GEMM on row ranges (fused ops); on CPU the lowering is XLA's own dot instead.
   add("hoccl_rows_matmul", nb::none(), HOCCL_CUDA(kRowsMatmulCuda));
   return d;

@@ -21,6 +21,8 @@ std::string ValidateSpec(const OpSpec& spec) {
     return "all_to_all input bytes must divide by the group size";
   if (spec.peers_only && spec.op != OpKind::kAllGather)
     return "peers_only applies to all_gather only";
+  if (spec.at_source_slot && spec.op != OpKind::kPermute)
+    return "at_source_slot applies to ppermute only";
   if (spec.op == OpKind::kPermute) {
     if (static_cast<int>(spec.permute_dst.size()) != n)
       return "permutation must have one entry per rank";
@@ -34,6 +36,7 @@ std::string ValidateSpec(const OpSpec& spec) {
 }
 
 size_t OutputBytes(const OpSpec& spec) {
+  if (spec.at_source_slot) return spec.bytes * spec.group_size;
   if (spec.op != OpKind::kAllGather) return spec.bytes;
   return spec.bytes * (spec.peers_only ? spec.group_size - 1 : spec.group_size);
 }
@@ -54,7 +57,7 @@ Block BlockFor(const OpSpec& s, int src, int dst) {
       size_t b = s.bytes / s.group_size;
       return {dst * b, src * b, b};
     }
-    case OpKind::kPermute: return {0, 0, s.bytes};
+    case OpKind::kPermute: return {0, s.at_source_slot ? src * s.bytes : 0, s.bytes};
   }
   return {0, 0, 0};
 }
@@ -108,7 +111,7 @@ std::vector<Step> MakePlan(const OpSpec& spec, const PlanOptions& options) {
     steps.push_back({StepKind::kSignalDone, p, 0, 0, 0, 0});
   }
   // 4. A ppermute destination nobody sends to gets zeros (jax.lax semantics).
-  if (spec.op == OpKind::kPermute && !receives && spec.bytes > 0) steps.push_back({StepKind::kZero, r, 0, 0, 0, spec.bytes});
+  if (spec.op == OpKind::kPermute && !receives && !spec.at_source_slot && spec.bytes > 0) steps.push_back({StepKind::kZero, r, 0, 0, 0, spec.bytes});
   // 5. My input may be released only when every reader is done with it.
   for (int k = 1; k < n; ++k) {
     int p = (r + n - k) % n;

@@ -60,6 +60,10 @@ struct OpSpec {
   // (rank + 1 + k) % n's input, n - 1 blocks. Fused ops use it to multiply their own block
   // while the peers' blocks are still in flight.
   bool peers_only = false;
+  // permute only: the output has group_size slots of `bytes` and the received buffer lands in
+  // the sender's slot; other slots are not written (a destination nobody sends to keeps its
+  // bytes). One round of an all_to_all split by shift: the fused ops' pipelines (into_start).
+  bool at_source_slot = false;
 };
 
 // Validates the spec; returns an empty string or a message saying what is wrong.

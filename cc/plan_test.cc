@@ -59,7 +59,8 @@ std::string Describe(const OpSpec& s, const PlanOptions& o) {
 // The expected output of rank `me`.
 std::vector<uint8_t> Expected(const OpSpec& s, int me) {
   const int n = s.group_size;
-  std::vector<uint8_t> out(hoccl::OutputBytes(s), 0);
+  // Into the source's slot: slots nobody sends to keep the simulator's fill byte (0xAB).
+  std::vector<uint8_t> out(hoccl::OutputBytes(s), s.at_source_slot ? 0xAB : 0);
   switch (s.op) {
     case OpKind::kAllGather:
       if (s.peers_only) {
@@ -81,7 +82,8 @@ std::vector<uint8_t> Expected(const OpSpec& s, int me) {
     case OpKind::kPermute:
       for (int src = 0; src < n; ++src)
         if (s.permute_dst[src] == me)
-          for (size_t i = 0; i < s.bytes; ++i) out[i] = InputByte(src, i);
+          for (size_t i = 0; i < s.bytes; ++i)
+            out[(s.at_source_slot ? src * s.bytes : 0) + i] = InputByte(src, i);
       break;
   }
   return out;
@@ -250,8 +252,13 @@ void CheckPlanShape(OpSpec spec, const PlanOptions& opt) {
           what.c_str(), r);
     CHECK(spec.op == OpKind::kPermute || zeroed == 0, "%s: rank %d zero-fills", what.c_str(),
           r);
-    CHECK(copied + zeroed == hoccl::OutputBytes(spec), "%s: rank %d writes %zu of %zu bytes",
-          what.c_str(), r, copied + zeroed, hoccl::OutputBytes(spec));
+    // Into the source's slot: only the slot of a sender is written, nothing zero-filled.
+    size_t senders = 0;
+    for (int p = 0; p < n; ++p) senders += spec.op == OpKind::kPermute && spec.permute_dst[p] == r;
+    const size_t writes = spec.at_source_slot ? senders * spec.bytes : hoccl::OutputBytes(spec);
+    CHECK(!spec.at_source_slot || zeroed == 0, "%s: rank %d zero-fills", what.c_str(), r);
+    CHECK(copied + zeroed == writes, "%s: rank %d writes %zu of %zu bytes",
+          what.c_str(), r, copied + zeroed, writes);
     const size_t block = spec.op == OpKind::kAllToAll ? spec.bytes / n : spec.bytes;
     const size_t want = std::min<size_t>(block, static_cast<size_t>(std::max(1, opt.chunks)));
     for (int p = 0; p < n; ++p)
@@ -304,6 +311,11 @@ void TestValidate() {
   CHECK(hoccl::OutputBytes(a2a) == 8, "all_to_all output bytes");
   OpSpec perm{OpKind::kPermute, 4, 0, 8, {1, 2, 3, 0}};
   CHECK(hoccl::OutputBytes(perm) == 8, "ppermute output bytes");
+  perm.at_source_slot = true;
+  CHECK(hoccl::OutputBytes(perm) == 32, "ppermute into the source's slot: output bytes");
+  CHECK(hoccl::ValidateSpec(perm).empty(), "ppermute into the source's slot rejected");
+  a2a.at_source_slot = true;
+  CHECK(!hoccl::ValidateSpec(a2a).empty(), "at_source_slot all_to_all accepted");
   CHECK(std::string(hoccl::OpName(OpKind::kAllToAll)) == "all_to_all", "op name");
 }
 
@@ -330,8 +342,12 @@ void TestCollectives() {
     perms.push_back(partial);
     perms.push_back(none);
     for (const auto& d : perms)
-      for (size_t bytes : {size_t{1}, size_t{7}, size_t{32}})
-        RunAll(OpSpec{OpKind::kPermute, n, 0, bytes, d});
+      for (size_t bytes : {size_t{1}, size_t{7}, size_t{32}}) {
+        OpSpec s{OpKind::kPermute, n, 0, bytes, d};
+        RunAll(s);
+        s.at_source_slot = true;  // the received buffer in the sender's slot, nothing else
+        RunAll(s);
+      }
   }
 }
 

@@ -3,7 +3,10 @@
 // through pointer offsets. The fused ops use it where XLA's own dot would need a dynamic-slice
 // copy of x, a separate kernel for "+ received partial" and a concatenate of the pieces
 // (DESIGN change, session 2: those three were most of matmul_reduce_scatter's / matmul_psum's
-// overhead on H200). x_row0 depends on the rank: ((rank + shift) % n) * block_rows + piece_row0.
+// overhead on H200). x_row0 depends on the rank: ((rank + shift) % n) * block_rows + piece_row0;
+// so may the output's: out_row0 + ((rank + out_shift) % n) * out_block_rows (matmul_all_to_all
+// writes its own block into its rank's slot). With w [B, K, N] it is a strided batch of B
+// GEMMs: GEMM b takes the b-th `rows` rows of x's and out's ranges (MoE: one per expert).
 //
 // cuBLASLt is not linked: it is resolved at run time from the process (XLA loaded it) or by
 // soname, and declared here with the few types this file needs (the build machine has no
@@ -49,11 +52,14 @@ constexpr int kComputeF32 = 68;             // CUBLAS_COMPUTE_32F
 constexpr int kScaleF32 = 0;                // CUDA_R_32F
 constexpr int kPrefMaxWorkspace = 1;        // CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS's advice for Hopper
+constexpr int kLayoutBatchCount = 5;        // CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT (int32)
+constexpr int kLayoutBatchStride = 6;       // CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET (int64)
 
 struct Lt {
   LtStatus (*create)(LtHandle*) = nullptr;
   LtStatus (*desc_create)(LtDesc*, int, int) = nullptr;
   LtStatus (*layout_create)(LtLayout*, int, uint64_t, uint64_t, int64_t) = nullptr;
+  LtStatus (*layout_set)(LtLayout, int, const void*, size_t) = nullptr;
   LtStatus (*pref_create)(LtPref*) = nullptr;
   LtStatus (*pref_set)(LtPref, int, const void*, size_t) = nullptr;
   LtStatus (*heuristic)(LtHandle, LtDesc, LtLayout, LtLayout, LtLayout, LtLayout, LtPref, int,
@@ -82,6 +88,8 @@ const Lt& GetLt() {
     l.desc_create = reinterpret_cast<decltype(l.desc_create)>(sym("cublasLtMatmulDescCreate"));
     l.layout_create =
         reinterpret_cast<decltype(l.layout_create)>(sym("cublasLtMatrixLayoutCreate"));
+    l.layout_set =
+        reinterpret_cast<decltype(l.layout_set)>(sym("cublasLtMatrixLayoutSetAttribute"));
     l.pref_create =
         reinterpret_cast<decltype(l.pref_create)>(sym("cublasLtMatmulPreferenceCreate"));
     l.pref_set =
@@ -89,7 +97,8 @@ const Lt& GetLt() {
     l.heuristic =
         reinterpret_cast<decltype(l.heuristic)>(sym("cublasLtMatmulAlgoGetHeuristic"));
     l.matmul = reinterpret_cast<decltype(l.matmul)>(sym("cublasLtMatmul"));
-    if (!l.create || !l.desc_create || !l.layout_create || !l.pref_create || !l.pref_set ||
+    if (!l.create || !l.desc_create || !l.layout_create || !l.layout_set || !l.pref_create ||
+        !l.pref_set ||
         !l.heuristic || !l.matmul)
       l.error = "cuBLASLt is missing an entry point";
     return l;
@@ -102,9 +111,10 @@ struct PlanKey {
   int device, dtype;
   uint64_t rows, k, n;
   bool has_c;
+  int batch;
   bool operator<(const PlanKey& o) const {
-    return std::tie(device, dtype, rows, k, n, has_c) <
-           std::tie(o.device, o.dtype, o.rows, o.k, o.n, o.has_c);
+    return std::tie(device, dtype, rows, k, n, has_c, batch) <
+           std::tie(o.device, o.dtype, o.rows, o.k, o.n, o.has_c, o.batch);
   }
 };
 struct Plan {
@@ -144,6 +154,19 @@ std::string GetPlan(const Lt& lt, const PlanKey& key, DeviceLt** dev_out, const 
         !(err = Check(lt.layout_create(&p.b, key.dtype, key.k, key.rows, key.k), "LayoutCreate")).empty() ||
         !(err = Check(lt.layout_create(&p.cd, key.dtype, key.n, key.rows, key.n), "LayoutCreate")).empty())
       return err;
+    if (key.batch > 1) {  // consecutive matrices: w's [K, N], x's and out's `rows` rows
+      const int32_t count = key.batch;
+      const int64_t strides[3] = {static_cast<int64_t>(key.k * key.n),
+                                  static_cast<int64_t>(key.rows * key.k),
+                                  static_cast<int64_t>(key.rows * key.n)};
+      LtLayout layouts[3] = {p.a, p.b, p.cd};
+      for (int i = 0; i < 3; ++i)
+        if (!(err = Check(lt.layout_set(layouts[i], kLayoutBatchCount, &count, sizeof(count)),
+                          "LayoutSetAttribute")).empty() ||
+            !(err = Check(lt.layout_set(layouts[i], kLayoutBatchStride, &strides[i],
+                                        sizeof(strides[i])), "LayoutSetAttribute")).empty())
+          return err;
+    }
     LtPref pref = nullptr;
     uint64_t ws = kWorkspaceBytes;
     if (!(err = Check(lt.pref_create(&pref), "PreferenceCreate")).empty() ||
@@ -171,12 +194,13 @@ int CudaType(ffi::DataType t) {
   }
 }
 
-// args: x [Mx, K], w [K, N], then c [rows, N] when has_c, then the buffer `out` aliases when
-// the call writes into an earlier call's output (into). out: [My, N].
+// args: x [Mx, K], w [K, N] or [B, K, N], then c [B * rows, N] when has_c, then the buffer
+// `out` aliases when the call writes into an earlier call's output (into). out: [My, N].
 ffi::Error RowsMatmulCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
                           ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                           int64_t group_size, int64_t shift, int64_t block_rows,
-                          int64_t piece_row0, int64_t rows, int64_t out_row0, int64_t has_c) {
+                          int64_t piece_row0, int64_t rows, int64_t out_row0, int64_t out_shift,
+                          int64_t out_block_rows, int64_t has_c) {
   HostTimer timer("rows_matmul");
   auto fail = [](const std::string& m) {
     return ffi::Error::InvalidArgument("jax_hoccl rows_matmul: " + m);
@@ -191,24 +215,28 @@ ffi::Error RowsMatmulCuda(cudaStream_t stream, int32_t device, ffi::RemainingArg
   auto xd = x->dimensions();
   auto wd = w->dimensions();
   auto od = out->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || od.size() != 2 || xd[1] != wd[0] || od[1] != wd[1])
-    return fail("needs x [M, K], w [K, N] and out [M', N]");
-  const int64_t k = wd[0], n = wd[1];
+  const size_t wr = wd.size();
+  if (xd.size() != 2 || (wr != 2 && wr != 3) || od.size() != 2 || xd[1] != wd[wr - 2] ||
+      od[1] != wd[wr - 1])
+    return fail("needs x [M, K], w [K, N] or [B, K, N], and out [M', N]");
+  const int64_t k = wd[wr - 2], n = wd[wr - 1], batch = wr == 3 ? wd[0] : 1;
   GroupPosition pos;
   std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
   if (!err.empty()) return fail(err);
-  const int64_t x_row0 = ((pos.rank + shift) % group_size + group_size) % group_size * block_rows +
-                         piece_row0;
-  if (rows <= 0 || x_row0 + rows > xd[0] || out_row0 < 0 || out_row0 + rows > od[0])
+  auto slot = [&](int64_t s) { return ((pos.rank + s) % group_size + group_size) % group_size; };
+  const int64_t x_row0 = slot(shift) * block_rows + piece_row0;
+  const int64_t y_row0 = out_row0 + slot(out_shift) * out_block_rows;
+  if (rows <= 0 || batch < 1 || x_row0 + batch * rows > xd[0] || y_row0 < 0 ||
+      y_row0 + batch * rows > od[0])
     return fail("rows out of range");
   const void* c = nullptr;
   if (has_c) {
     auto cb = args.get<ffi::AnyBuffer>(2);
     if (cb.has_error()) return fail("needs c");
     auto cdims = cb->dimensions();
-    if (cb->element_type() != x->element_type() || cdims.size() != 2 || cdims[0] != rows ||
-        cdims[1] != n)
-      return fail("c must be [rows, N] of x's dtype");
+    if (cb->element_type() != x->element_type() || cdims.size() != 2 ||
+        cdims[0] != batch * rows || cdims[1] != n)
+      return fail("c must be [B * rows, N] of x's dtype");
     c = cb->untyped_data();
   }
   if (rows == 0 || n == 0) return ffi::Error::Success();
@@ -229,12 +257,12 @@ ffi::Error RowsMatmulCuda(cudaStream_t stream, int32_t device, ffi::RemainingArg
   DeviceLt* dev = nullptr;
   const Plan* plan = nullptr;
   err = GetPlan(lt, PlanKey{cuda_device, dtype, static_cast<uint64_t>(rows), static_cast<uint64_t>(k),
-                            static_cast<uint64_t>(n), has_c != 0},
+                            static_cast<uint64_t>(n), has_c != 0, static_cast<int>(batch)},
                 &dev, &plan);
   if (!err.empty()) return ffi::Error::Internal("jax_hoccl rows_matmul: " + err);
   const size_t elt = ffi::ByteWidth(x->element_type());
   const char* xp = static_cast<const char*>(x->untyped_data()) + x_row0 * k * elt;
-  char* dp = static_cast<char*>(out->untyped_data()) + out_row0 * n * elt;
+  char* dp = static_cast<char*>(out->untyped_data()) + y_row0 * n * elt;
   const float alpha = 1.0f, beta = has_c ? 1.0f : 0.0f;
   LtStatus s = lt.matmul(dev->handle, plan->desc, &alpha, w->untyped_data(), plan->a, xp, plan->b,
                          &beta, has_c ? c : dp, plan->cd, dp, plan->cd, &plan->algo,
@@ -258,6 +286,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kRowsMatmulCuda, RowsMatmulCuda,
                                   .Attr<int64_t>("piece_row0")
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("out_row0")
+                                  .Attr<int64_t>("out_shift")
+                                  .Attr<int64_t>("out_block_rows")
                                   .Attr<int64_t>("has_c"));
 
 }  // namespace hoccl

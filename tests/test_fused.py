@@ -438,7 +438,7 @@ def test_ring_structure(chunks, cublaslt, monkeypatch):
   add = r"= stablehlo.add (%[\w#]+), (%[\w#]+) : tensor<\d+x8xbf16>"
   for text in (cpu, cuda):
     assert text.count("@hoccl_ppermute_start(") == pieces * (n - 1)
-    assert text.count("@hoccl_all_gather_into_start(") == pieces
+    assert text.count("@hoccl_into_start(") == pieces
     assert "stablehlo.concatenate" not in text
   for text in (cpu,) if cublaslt else (cpu, cuda):
     dots = set(re.findall(r"(%[\w#]+) = stablehlo.dot_general", text))

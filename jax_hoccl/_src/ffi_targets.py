@@ -37,9 +37,10 @@ def register() -> None:
     _registered = True
 
 
-def ffi_lower(target: str, op: str, ctx, *args, lowering_args=None, **attrs):
+def ffi_lower(target: str, op: str, ctx, *args, lowering_args=None, side_effect=True, **attrs):
   """Lowers to the custom call `target`. has_side_effect keeps XLA from merging or dropping
-  a collective on some devices only, and from moving it past other side-effecting ops."""
+  a collective on some devices only, and from moving it past other side-effecting ops
+  (side_effect=False: a call that only passes data through, which XLA may drop if unused)."""
   register()
   platforms = ctx.module_context.platforms
   for p in platforms:
@@ -49,5 +50,5 @@ def ffi_lower(target: str, op: str, ctx, *args, lowering_args=None, **attrs):
       raise RuntimeError(
           f"jax_hoccl.{op}: this build of jax_hoccl has no CUDA engine (the CUDA toolkit was "
           "not found when it was built). Reinstall with nvcc on PATH.")
-  return jax.ffi.ffi_lowering(target, has_side_effect=True, **(lowering_args or {}))(
+  return jax.ffi.ffi_lowering(target, has_side_effect=side_effect, **(lowering_args or {}))(
       ctx, *args, **attrs)

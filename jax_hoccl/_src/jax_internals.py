@@ -18,6 +18,7 @@ deflinear2 = ad.deflinear2
 register_lowering = mlir.register_lowering
 lower_fun = mlir.lower_fun
 primitive_batchers = batching.primitive_batchers
+primitive_jvps = ad.primitive_jvps
 not_mapped = None  # a batching rule's output dim for an unbatched result
 
 

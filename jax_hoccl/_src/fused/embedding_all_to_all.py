@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
-from jax_hoccl._src.fused.matmul_all_to_all import compute_all_to_all, vary_alike
+from jax_hoccl._src.fused.matmul_all_to_all import vary_alike
+from jax_hoccl._src.fused.pipeline import compute_all_to_all
 from jax_hoccl._src.ops import common
 from jax_hoccl._src.ops.all_to_all import all_to_all
 
@@ -22,15 +23,13 @@ def pooled_lookup(table, ids):
   return jnp.take(table, ids, axis=0).sum(axis=-2)
 
 
-def _block_lookup(j, operands):
-  table, ids = operands
-  return pooled_lookup(table, jax.lax.dynamic_index_in_dim(ids, j, axis=0, keepdims=False))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _ema2a(table, ids, axis_name):
   axes, n = axes_lib.check_axes(axis_name, "embedding_all_to_all")
-  return compute_all_to_all(_block_lookup, (table, ids), axes, n)
+  # the block for rank j: rank j's ids (a small slice, passed through each start's `after`)
+  return compute_all_to_all(lambda ids_j: pooled_lookup(table, ids_j),
+                            lambda j: jax.lax.dynamic_index_in_dim(ids, j, keepdims=False),
+                            axes, n)
 
 
 def _ema2a_fwd(table, ids, axis_name):

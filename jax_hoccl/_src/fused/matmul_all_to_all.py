@@ -1,28 +1,56 @@
 """matmul_all_to_all(x, w, axis) == all_to_all(x @ w, axis, 0, 0, tiled=True) for x
 [n, ..., K] whose block j is destined for rank j: the MoE combine, where each rank's experts
 process tokens from every rank and the outputs go back to the tokens' owners. The block for
-rank j is sent (copy engines) while XLA computes the next block.
+rank j is sent (copy engines) while the SMs compute the next block (pipeline.py).
+
+The blocks are rows_matmul GEMMs when x @ w is one ([n, ..., K] @ [K, N], or per-expert
+[n, E, C, K] @ [E, K, N] as a strided batch): they read x's block in place and the own block
+is written straight into its slot of the output. XLA's dot instead needed a copy of each
+block of x and a copy into the output (on 2x H200, E=4, C=2048, H=D=4096 bf16: 42 us per
+block slice against 345 us per block GEMM).
 """
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.fused import pipeline
+from jax_hoccl._src.fused.rows_matmul import rows_matmul
 from jax_hoccl._src.ops import common
 from jax_hoccl._src.ops.all_to_all import all_to_all
 
 
-def compute_all_to_all(compute, operands, axes, n):
-  """all_to_all over the leading axis of compute(j, operands) computed block by block."""
-  if n == 1:
-    return compute(0, operands)[None]
-  mine, received = pipeline.compute_and_send(compute, operands, axes, n)
-  return pipeline.in_rank_order(mine, received, n, axes)
+def _gemm_rows(x, w):
+  """(rows per GEMM, rows per block) when x's blocks @ w are rows_matmul GEMMs, else None."""
+  if w.ndim == 2:
+    rows = int(np.prod(x.shape[1:-1], dtype=np.int64))
+    return rows, rows
+  if w.ndim == 3 and x.ndim == 4 and x.shape[1] == w.shape[0]:  # per-expert weights
+    return x.shape[2], x.shape[1] * x.shape[2]
+  return None
+
+
+def _multiply_all_to_all(x, w, axes, n):
+  shape = jax.eval_shape(jnp.matmul, x, w).shape
+  gemm = _gemm_rows(x, w)
+  if n == 1 or gemm is None or 0 in shape:
+    return pipeline.compute_all_to_all(lambda xb: jnp.matmul(xb, w),
+                              lambda j: jax.lax.dynamic_index_in_dim(x, j, keepdims=False),
+                              axes, n)
+  rows, block_rows = gemm
+  x2 = x.reshape(n * block_rows, x.shape[-1])
+  args = dict(block_rows=block_rows, piece_row0=0, rows=rows)
+  out = pipeline.all_to_all_by_shifts(
+      lambda k, after: rows_matmul(x2, w, axes, n, shift=k, after=after, **args),
+      lambda buf, after: rows_matmul(x2, w, axes, n, shift=0, into=buf, out_shift=0,
+                                     out_block_rows=block_rows, after=after, **args),
+      axes, n, (n * block_rows, w.shape[-1]))
+  return out.reshape(shape)
 
 
 def vary_alike(*arrays):
@@ -39,15 +67,10 @@ def vary_alike(*arrays):
   return tuple(out)
 
 
-def _block_matmul(j, operands):
-  x, w = operands
-  return jnp.matmul(jax.lax.dynamic_index_in_dim(x, j, axis=0, keepdims=False), w)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _mma2a(x, w, axis_name):
   axes, n = axes_lib.check_axes(axis_name, "matmul_all_to_all")
-  return compute_all_to_all(_block_matmul, (x, w), axes, n)
+  return _multiply_all_to_all(x, w, axes, n)
 
 
 def _mma2a_fwd(x, w, axis_name):

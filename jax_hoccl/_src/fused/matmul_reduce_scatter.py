@@ -54,12 +54,11 @@ def multiply_and_scatter(x, w, axes, n, chunks=None):
   if runs_on_cublaslt(x.dtype, *w.shape):  # (on CPU too, where its GEMMs are XLA's)
     return _ring(x, w, axes, n, chunks)
   rows = x.shape[0] // n
-
-  def partial_for(j, x):
-    return jax.lax.dynamic_slice_in_dim(x, j * rows, rows, axis=0) @ w
-
-  mine, received = pipeline.compute_and_send(partial_for, x, axes, n)
-  return common.sum_leading(jnp.stack([mine, *received]))
+  # every rank's partial of my rows, in rank order, summed
+  partials = pipeline.compute_all_to_all(
+      lambda xs: xs @ w, lambda j: jax.lax.dynamic_slice_in_dim(x, j * rows, rows, axis=0),
+      axes, n)
+  return common.sum_leading(partials)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

@@ -4,12 +4,16 @@
     y_mine = pending.input @ w                  # runs while peers' blocks are in flight
     gathered, y_mine = jax_hoccl.done(pending, y_mine)
 
-done takes the compute's results and hands them back aliased (so done runs after them: a data
-dependency). `pending.input` is x passed through an optimization barrier together with a token
-that start outputs, meant to keep compute that reads it after start without copying x; but on
-GPU XLA removes barriers before it schedules, so there XLA may still run that compute before
-the start (values stay right; the overlap is lost). Custom calls that take the token as an
-operand (the fused ops' rows_matmul GEMMs) are ordered for real.
+start -> compute -> done is the only order XLA may schedule, by data dependencies alone:
+- `pending.input` is x as an output of start (aliasing x: no copy, nothing runs), so compute
+  that reads it depends on the start and cannot run before it. `pending.after_start(tree)`
+  passes other arrays through a custom call (`hoccl_after`) that takes the start's token, to
+  the same effect. (An optimization barrier would not do: on GPU XLA removes barriers before
+  it schedules, and it ran such compute before the start.) Because the outputs alias their
+  inputs, XLA copies an array first when it is still read after the start by something else,
+  or is a jit argument: compute on pending.input, not on x, and pass fresh arrays (a slice,
+  the previous step's result) through after_start.
+- done takes the compute's results and hands them back aliased, so done runs after them.
 done also takes x, which keeps x alive until done, because peers read it in between.
 On GPU the copies run on side streams (copy engines) between start and done; on CPU start
 does the whole exchange and done is free.
@@ -65,7 +69,7 @@ def _start_abstract_eval(x, *, op, axes, axis_size, perm, peers_only, invariant,
   else:
     out = ji.with_type(x, x.shape, vma)
   token = ji.with_type(x, (), vma).update(dtype=np.dtype(np.int32), weak_type=False)
-  return [out, token]
+  return [out, token, x]
 
 
 def _start_attrs(ctx, axes, op: str, site: int) -> dict:
@@ -82,30 +86,36 @@ def _start_lowering(ctx, x, *, op, axes, axis_size, perm, peers_only, invariant,
     for s, d in perm:
       dst[s] = d
     attrs["permute_dst"] = dst
-  return ffi_lower(f"hoccl_{op}_start", op, ctx, x, **attrs)
+  return ffi_lower(f"hoccl_{op}_start", op, ctx, x, **attrs,
+                   lowering_args=dict(operand_output_aliases={0: 2}))  # output 2: x
 
 
-# all_gather into rows of a larger buffer (operands x[, dst]; the output aliases dst).
-into_start_p = ji.Primitive("hoccl_all_gather_into_start")
+# all_gather (perm empty), or a ppermute into the sender's slot, into rows of a larger buffer
+# (operands x[, dst]; the output aliases dst).
+into_start_p = ji.Primitive("hoccl_into_start")
 into_start_p.multiple_results = True
 
 
-def _into_abstract_eval(x, *dst, axes, axis_size, shape, row, invariant, site):
+def _into_abstract_eval(x, *dst, axes, axis_size, shape, row, invariant, site, perm):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
-    raise ValueError(f"jax_hoccl all_gather_into_start: input must be varying over {axes}, "
-                     f"got {set(vma)}")
+    raise ValueError(f"jax_hoccl {'ppermute' if perm else 'all_gather'}_into_start: input must "
+                     f"be varying over {axes}, got {set(vma)}")
   out = dst[0] if dst else ji.with_type(x, shape, vma - set(axes) if invariant else vma)
   token = ji.with_type(x, (), vma).update(dtype=np.dtype(np.int32), weak_type=False)
-  return [out, token]
+  return [out, token, x]
 
 
-def _into_lowering(ctx, x, *dst, axes, axis_size, shape, row, invariant, site):
-  attrs = _start_attrs(ctx, axes, "all_gather_into", site)
+def _into_lowering(ctx, x, *dst, axes, axis_size, shape, row, invariant, site, perm):
+  op = "ppermute_into" if perm else "all_gather_into"
+  attrs = _start_attrs(ctx, axes, op, site)
   row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(ctx.avals_in[0].dtype).itemsize
   attrs["offset"] = np.int64(row * row_bytes)
-  return ffi_lower("hoccl_all_gather_into_start", "all_gather_into", ctx, x, *dst, **attrs,
-                   lowering_args=dict(operand_output_aliases={1: 0}) if dst else None)
+  dst_of = np.full(axis_size if perm else 0, -1, np.int64)  # empty: all_gather
+  for s, d in perm:
+    dst_of[s] = d
+  return ffi_lower("hoccl_into_start", op, ctx, x, *dst, **attrs, permute_dst=dst_of,
+                   lowering_args=dict(operand_output_aliases={0: 2, **({1: 0} if dst else {})}))
 
 
 def _into_batch(args, dims, *, shape, **params):
@@ -120,8 +130,8 @@ def _into_batch(args, dims, *, shape, **params):
     buf = (jnp.broadcast_to(buf[:, None], (buf.shape[0], size, *buf.shape[1:])) if bd is None
            else jnp.moveaxis(buf, bd, 1))
     dst = [buf]
-  out, token = into_start_p.bind(x, *dst, shape=(shape[0], size, *shape[1:]), **params)
-  return [out, token], [1, ji.not_mapped]
+  out, token, x = into_start_p.bind(x, *dst, shape=(shape[0], size, *shape[1:]), **params)
+  return [out, token, x], [1, ji.not_mapped, 1]
 
 
 into_start_p.def_abstract_eval(_into_abstract_eval)
@@ -134,6 +144,28 @@ ji.primitive_batchers[into_start_p] = _into_batch
 # aliasing those would make XLA copy them). wait_only: for a start of an `into` chain whose
 # buffer went on to a later start, (x, *after) -> a fresh token (never written or read: it
 # only orders what takes it after this wait, and keeps the wait from being dropped).
+# after: (token, *arrays) -> arrays, each output aliasing its array (the handler does nothing):
+# compute that reads the outputs depends on the token, i.e. runs after the start.
+after_p = ji.Primitive("hoccl_after")
+after_p.multiple_results = True
+after_p.def_abstract_eval(lambda token, *arrays: list(arrays))
+ji.register_lowering(after_p, lambda ctx, token, *arrays: ffi_lower(
+    "hoccl_after", "after", ctx, token, *arrays, side_effect=False,
+    lowering_args=dict(operand_output_aliases={1 + i: i for i in range(len(arrays))})))
+ji.primitive_batchers[after_p] = lambda args, dims: (after_p.bind(*args), list(dims[1:]))
+# Tangents need no order: they pass through untouched.
+ji.primitive_jvps[after_p] = lambda primals, tangents: (after_p.bind(*primals),
+                                                        list(tangents[1:]))
+
+
+def after(token, tree):
+  """`tree` (a pytree of arrays) ordered after the start that made `token`."""
+  leaves, treedef = jax.tree.flatten(tree)
+  if not leaves:
+    return tree
+  return jax.tree.unflatten(treedef, after_p.bind(token, *leaves))
+
+
 def _done_abstract_eval(*args, site, wait_only, n_after):
   if wait_only:
     return [ji.with_type(args[1], (), ji.varying_axes(args[1])).update(
@@ -158,8 +190,8 @@ def _start_batch(args, dims, *, op, **params):
   (x,), (d,) = args, dims
   if op == "all_to_all" and d == 0:
     x, d = jnp.moveaxis(x, 0, 1), 1
-  out, token = start_p.bind(x, op=op, **params)
-  return [out, token], [d + 1 if op == "all_gather" else d, ji.not_mapped]
+  out, token, x = start_p.bind(x, op=op, **params)
+  return [out, token, x], [d + 1 if op == "all_gather" else d, ji.not_mapped, d]
 
 
 def _done_batch(args, dims, *, site, wait_only, n_after):
@@ -190,27 +222,26 @@ class Pending:
     return (self.buffer, self.input, self.token), (self.site, self.finish)
 
   def after_start(self, tree):
-    """`tree` ordered after this start (an optimization barrier with its token; no copy):
-    compute on the result overlaps the exchange instead of running before it."""
-    return jax.lax.optimization_barrier((tree, self.token))[0]
+    """`tree` (arrays) ordered after this start: compute on the result overlaps the exchange
+    instead of running before it. No copy, unless an array is still read after the start by
+    something else (then XLA copies it first; see the module docstring)."""
+    return after(self.token, tree)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     return cls(*children, *aux)
 
 
-def _pending(buf, x, token, site, finish=None):
-  """The Pending of a start that returned (buf, token): x ordered after it, for compute."""
-  x_after_start, _ = jax.lax.optimization_barrier((x, token))
-  return Pending(buf, x_after_start, token, site, finish or (lambda b: b))
+def _pending(buf, token, x, site, finish=None):
+  """The Pending of a start that returned (buf, token, x aliased: ordered after it)."""
+  return Pending(buf, x, token, site, finish or (lambda b: b))
 
 
 def _start(op, x, axes, n, *, perm=(), peers_only=False, invariant=False, finish=None):
   site = axes_lib.new_site()
-  buf, token = start_p.bind(x, op=op, axes=tuple(axes), axis_size=int(n), perm=tuple(perm),
-                            peers_only=bool(peers_only), invariant=bool(invariant),
-                            site=site)
-  return _pending(buf, x, token, site, finish)
+  outs = start_p.bind(x, op=op, axes=tuple(axes), axis_size=int(n), perm=tuple(perm),
+                      peers_only=bool(peers_only), invariant=bool(invariant), site=site)
+  return _pending(*outs, site, finish)
 
 
 def done(pending: Pending, *deps):
@@ -286,10 +317,31 @@ def all_gather_into_start(x, axis_name, into, row, *, to="varying"):
                      + (f" {into.dtype}" if dst else ""))
   x = common.ensure_varying(x, axes)
   site = axes_lib.new_site()
-  buf, token = into_start_p.bind(x, *dst, axes=tuple(axes),
-                                 axis_size=int(n), shape=shape, row=int(row),
-                                 invariant=(to != "varying"), site=site)
-  return _pending(buf, x, token, site)
+  outs = into_start_p.bind(x, *dst, axes=tuple(axes), axis_size=int(n), shape=shape,
+                          row=int(row), invariant=(to != "varying"), site=site, perm=())
+  return _pending(*outs, site)
+
+
+def ppermute_into_start(x, axis_name, perm, into):
+  """Starts a ppermute whose received x lands in its sender's slot of a larger buffer: rank s's
+  x at rows [s * len(x), (s + 1) * len(x)) of `into` (donated; done returns it) or of a new
+  buffer when `into` is a shape ([n * len(x), ...]; rows nobody sends to stay uninitialised,
+  for later calls of a chain to fill). One round of an all_to_all split by shift: the
+  pipelines of the fused all_to_all ops assemble their output so, with no stack or gather."""
+  axes, n = axes_lib.check_axes(axis_name, "ppermute_into_start")
+  x = jnp.asarray(x)
+  axes_lib.check_dtype(x, "ppermute_into_start")
+  dst = () if isinstance(into, (tuple, list)) else (into,)
+  shape = tuple(into) if not dst else into.shape
+  if (x.ndim == 0 or shape != (n * x.shape[0], *x.shape[1:])
+      or (dst and into.dtype != x.dtype)):
+    raise ValueError(f"jax_hoccl.ppermute_into_start: {n} slots of {x.dtype}{list(x.shape)} "
+                     f"do not make {shape}" + (f" {into.dtype}" if dst else ""))
+  x = common.ensure_varying(x, axes)
+  site = axes_lib.new_site()
+  outs = into_start_p.bind(x, *dst, axes=tuple(axes), axis_size=int(n), shape=shape, row=0,
+                          invariant=False, site=site, perm=tuple(check_perm(perm, n)))
+  return _pending(*outs, site)
 
 
 def all_to_all_start(x, axis_name, *, tiled=True):
