@@ -32,6 +32,16 @@ inline xla::ffi::Error DecodeOp(OpKind op, int64_t device, size_t in_bytes, size
   return xla::ffi::Error::Success();
 }
 
+// A start's outputs: (out, token[, x]). Output 1 is an ordering token nobody reads; output 2,
+// when the lowering asks for it, aliases the input x (async_collectives.py: compute on it is
+// ordered after the start). Only `out` is written.
+inline xla::ffi::ErrorOr<xla::ffi::Result<xla::ffi::AnyBuffer>> StartOutput(
+    xla::ffi::RemainingRets rets) {
+  auto out = rets.get<xla::ffi::AnyBuffer>(0);
+  if (out.has_error()) return out.error();
+  return *out;
+}
+
 // into_start's operands (x[, dst]) and the rows [offset, offset + n * |x|) of `out` it
 // writes (all_gather: every rank's slot; ppermute: the sender's slot), checked against out's
 // size.

@@ -78,25 +78,28 @@ ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, ffi::AnyBuffe
 }
 
 // Async pairs on CPU: there are no streams to overlap with, so `start` runs the whole op and
-// `done` has nothing left to wait for. Output 1 of start is an ordering token nobody reads,
-// and done's outputs alias its inputs (set in the lowering), so neither copies; output 2 is x
-// itself (aliased): compute on it depends on the start (async_collectives.py says why).
+// `done` has nothing left to wait for. A start's outputs are (out, token[, x]) (StartOutput),
+// and done's outputs alias its inputs (set in the lowering), so neither copies.
 ffi::Future AllGatherStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
-                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token*/,
-                              ffi::Result<ffi::AnyBuffer> /*x, aliased*/,
+                              ffi::RemainingRets rets,
                               ffi::Span<const int64_t> groups, int64_t group_size,
                               int64_t peers_only, int64_t /*stream: GPU only*/, int64_t /*site*/) {
+  auto out_or = StartOutput(rets);
+  if (out_or.has_error()) return Failed(out_or.error());
+  ffi::Result<ffi::AnyBuffer> out = *out_or;
   return RunCpu(OpKind::kAllGather, device, call, x, out->untyped_data(), out->size_bytes(),
                 groups, group_size, {}, peers_only != 0);
 }
 // all_gather, or a ppermute into the sender's slot, into rows [offset, ...) of a larger
 // buffer: args (x[, dst]), the output aliasing dst when given (handlers_cuda.cc says more).
 ffi::Future IntoStartCpu(int32_t device, CpuCall* call, ffi::RemainingArgs args,
-                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token*/,
-                         ffi::Result<ffi::AnyBuffer> /*x, aliased*/,
+                         ffi::RemainingRets rets,
                          ffi::Span<const int64_t> groups, int64_t group_size, int64_t offset,
                          ffi::Span<const int64_t> permute_dst, int64_t /*stream: GPU only*/,
                          int64_t /*site*/) {
+  auto out_or = StartOutput(rets);
+  if (out_or.has_error()) return Failed(out_or.error());
+  ffi::Result<ffi::AnyBuffer> out = *out_or;
   auto into = DecodeInto(args, *out, group_size, offset);
   if (into.has_error()) return Failed(into.error());
   const bool permute = permute_dst.size() > 0;
@@ -104,19 +107,23 @@ ffi::Future IntoStartCpu(int32_t device, CpuCall* call, ffi::RemainingArgs args,
                 into->dst, into->bytes, groups, group_size, permute_dst, false, permute);
 }
 ffi::Future AllToAllStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
-                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token*/,
-                             ffi::Result<ffi::AnyBuffer> /*x, aliased*/,
+                             ffi::RemainingRets rets,
                              ffi::Span<const int64_t> groups, int64_t group_size,
                              int64_t /*stream: GPU only*/, int64_t /*site*/) {
+  auto out_or = StartOutput(rets);
+  if (out_or.has_error()) return Failed(out_or.error());
+  ffi::Result<ffi::AnyBuffer> out = *out_or;
   return RunCpu(OpKind::kAllToAll, device, call, x, out->untyped_data(), out->size_bytes(),
                 groups, group_size, {});
 }
 ffi::Future PermuteStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token*/,
-                            ffi::Result<ffi::AnyBuffer> /*x, aliased*/,
+                            ffi::RemainingRets rets,
                             ffi::Span<const int64_t> groups, int64_t group_size,
                             ffi::Span<const int64_t> permute_dst,
                             int64_t /*stream: GPU only*/, int64_t /*site*/) {
+  auto out_or = StartOutput(rets);
+  if (out_or.has_error()) return Failed(out_or.error());
+  ffi::Result<ffi::AnyBuffer> out = *out_or;
   return RunCpu(OpKind::kPermute, device, call, x, out->untyped_data(), out->size_bytes(),
                 groups, group_size, permute_dst);
 }
@@ -157,9 +164,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCpu, AllGatherStartCpu,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Ctx<ffi::State<CpuCall>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("peers_only")
@@ -170,9 +175,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kIntoStartCpu, IntoStartCpu,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Ctx<ffi::State<CpuCall>>()
                                   .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("offset")
@@ -184,9 +187,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCpu, AllToAllStartCpu,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Ctx<ffi::State<CpuCall>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("stream")
@@ -196,9 +197,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCpu, PermuteStartCpu,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Ctx<ffi::State<CpuCall>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<ffi::Span<const int64_t>>("permute_dst")

@@ -174,10 +174,12 @@ ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, ffi::An
 }
 
 ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token*/,
-                              ffi::Result<ffi::AnyBuffer> /*x, aliased*/,
+                              ffi::RemainingRets rets,
                               ffi::Span<const int64_t> groups, int64_t group_size,
                               int64_t peers_only, int64_t stream_index, int64_t site) {
+  auto out_or = StartOutput(rets);
+  if (out_or.has_error()) return out_or.error();
+  ffi::Result<ffi::AnyBuffer> out = *out_or;
   return StartCuda(OpKind::kAllGather, stream, device, x, out->untyped_data(), out->size_bytes(),
                    groups, group_size, {}, stream_index, site, peers_only != 0);
 }
@@ -185,11 +187,13 @@ ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffe
 // buffer: args (x[, dst]); when dst is given the output aliases it (set in the lowering),
 // else XLA allocates it and the other rows stay unwritten for later calls of the chain.
 ffi::Error IntoStartCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
-                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token*/,
-                         ffi::Result<ffi::AnyBuffer> /*x, aliased*/,
+                         ffi::RemainingRets rets,
                          ffi::Span<const int64_t> groups, int64_t group_size, int64_t offset,
                          ffi::Span<const int64_t> permute_dst, int64_t stream_index,
                          int64_t site) {
+  auto out_or = StartOutput(rets);
+  if (out_or.has_error()) return out_or.error();
+  ffi::Result<ffi::AnyBuffer> out = *out_or;
   auto into = DecodeInto(args, *out, group_size, offset);
   if (into.has_error()) return into.error();
   const bool permute = permute_dst.size() > 0;
@@ -198,19 +202,23 @@ ffi::Error IntoStartCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs
                    false, permute);
 }
 ffi::Error AllToAllStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token*/,
-                             ffi::Result<ffi::AnyBuffer> /*x, aliased*/,
+                             ffi::RemainingRets rets,
                              ffi::Span<const int64_t> groups, int64_t group_size,
                              int64_t stream_index, int64_t site) {
+  auto out_or = StartOutput(rets);
+  if (out_or.has_error()) return out_or.error();
+  ffi::Result<ffi::AnyBuffer> out = *out_or;
   return StartCuda(OpKind::kAllToAll, stream, device, x, out->untyped_data(), out->size_bytes(),
                    groups, group_size, {}, stream_index, site, false);
 }
 ffi::Error PermuteStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> /*token*/,
-                            ffi::Result<ffi::AnyBuffer> /*x, aliased*/,
+                            ffi::RemainingRets rets,
                             ffi::Span<const int64_t> groups, int64_t group_size,
                             ffi::Span<const int64_t> permute_dst, int64_t stream_index,
                             int64_t site) {
+  auto out_or = StartOutput(rets);
+  if (out_or.has_error()) return out_or.error();
+  ffi::Result<ffi::AnyBuffer> out = *out_or;
   return StartCuda(OpKind::kPermute, stream, device, x, out->untyped_data(), out->size_bytes(),
                    groups, group_size, permute_dst, stream_index, site, false);
 }
@@ -238,9 +246,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCuda, AllGatherStartCuda,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("peers_only")
@@ -251,9 +257,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kIntoStartCuda, IntoStartCuda,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("offset")
@@ -265,9 +269,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCuda, AllToAllStartCuda,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("stream")
@@ -277,9 +279,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCuda, PermuteStartCuda,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<ffi::Span<const int64_t>>("permute_dst")

@@ -224,6 +224,75 @@ def test_fused_on_gpu(mesh, name):
     np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-4, atol=1e-4)
 
 
+def _entry_kinds(text, start_target):
+  """The compiled program's start / gemm / done custom calls and XLA dots, in schedule order."""
+  entry = text[text.index("\nENTRY "):].splitlines()
+  kinds = []
+  for l in entry:
+    if " = " not in l:
+      continue
+    if start_target in l:
+      kinds.append("start")
+    elif "hoccl_done" in l:
+      kinds.append("done")
+    elif "hoccl_rows_matmul" in l or "gemm" in l or "cublas" in l or " dot(" in l:
+      kinds.append("gemm")
+  return kinds
+
+
+def test_async_pair_compute_between_start_and_done_on_gpu(mesh):
+  """The public async pair: XLA's own GEMM on pending.input is scheduled between start and
+  done in the compiled GPU program (start's output 2 aliases x: a data dependency, where an
+  optimization barrier let XLA hoist the GEMM above the start), and the values are right."""
+  n = len(GPUS)
+  x, w = _rand((n * 512, 256), jnp.bfloat16, 51), _rand((256, 512), jnp.bfloat16, 52)
+
+  def ours(v, w):
+    v = v * 2  # an activation: a fresh array, as in a model (a jit argument would be copied)
+    p = jax_hoccl.all_gather_start(v, "x", tiled=True)
+    y = p.input @ w
+    g, y = jax_hoccl.done(p, y)
+    return g, y
+
+  f = jax.jit(jax.shard_map(ours, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+  args = (jax.device_put(x, NamedSharding(mesh, P("x"))), jax.device_put(w, NamedSharding(mesh, P())))
+  kinds = _entry_kinds(f.lower(*args).compile().as_text(), "hoccl_all_gather_start")
+  assert kinds.index("start") < kinds.index("gemm") < kinds.index("done"), kinds
+  g, y = (np.asarray(a).astype(np.float32) for a in f(*args))
+  x2 = x.astype(np.float32) * 2
+  np.testing.assert_array_equal(g.reshape(n, n * 512, 256)[0], x2)
+  ref = (x2.reshape(n, 512, 256) @ w.astype(np.float32)).reshape(n * 512, 512)
+  assert np.abs(y - ref).max() <= 2e-2 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("experts", [None, 3])
+def test_matmul_all_to_all_blocks_on_gpu(mesh, dtype, experts):
+  """matmul_all_to_all with per-expert weights ([n, E, C, K] @ [E, K, N], a strided batch of
+  cuBLASLt GEMMs) and shared ones ([n, C, K] @ [K, N]) against jax.lax in bf16, f16 and f32.
+  bf16/f16: every GEMM is a rows_matmul (x's blocks read in place, my block written into my
+  slot: no dot, no dynamic-slice fusion), and the own GEMM runs between start and done."""
+  n = len(GPUS)
+  e = experts or 1
+  xs = (n * n, e, 64, 32) if experts else (n * n, 64, 32)
+  ws = (n * e, 32, 48) if experts else (32, 48)
+  x, w = _rand(xs, dtype, 61), _rand(ws, dtype, 62)
+  specs = (P("x"), P("x") if experts else P())
+  args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)]
+  sm = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=P("x")))  # noqa: E731
+  ours = sm(lambda x, w: jax_hoccl.matmul_all_to_all(x, w, "x"))
+  ref = sm(lambda x, w: jax.lax.all_to_all(jnp.matmul(x, w), "x", 0, 0, tiled=True))
+  a, b = (np.asarray(f(*args)).astype(np.float32) for f in (ours, ref))
+  scale = np.abs(b).max()
+  assert scale > 0 and np.abs(a - b).max() <= 2e-2 * scale, np.abs(a - b).max() / scale
+  if dtype == jnp.float32:
+    return
+  text = ours.lower(*args).compile().as_text()
+  kinds = _entry_kinds(text, "hoccl_into_start")
+  assert kinds.count("gemm") == n and "dynamic_slice" not in text and " dot(" not in text, kinds
+  assert kinds.index("start") < len(kinds) - 1 - kinds[::-1].index("gemm") < kinds.index("done")
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_all_gather_matmul_gemm_between_start_and_done_on_gpu(mesh, dtype):
   """The GEMM on this rank's rows is scheduled after the all_gather's start (so the copies

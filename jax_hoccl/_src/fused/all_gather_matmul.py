@@ -2,12 +2,12 @@
 hidden behind the matmul: the peers' rows are pulled by copy engines while XLA multiplies
 this rank's own rows (the column-parallel linear layer of sequence-parallel Megatron).
 
-The GEMM on this rank's rows must run between start and done. `pending.input` orders XLA
-compute after the start through an optimization barrier, but on GPU XLA moved its own dot
-(a Triton gemm_fusion) above the start anyway: the copies then waited for that GEMM, and the
-op took 1.28-1.35x the GEMM (2x H200, device timeline in benchmarks/probe_fused.py). A custom
-call that takes the start's token as an operand keeps the order (a data dependency), so where
-rows_matmul runs on cuBLASLt (bf16/f16) that GEMM is one.
+The GEMM on this rank's rows must run between start and done. When it was XLA's dot on x
+behind an optimization barrier, XLA moved it above the start on GPU: the copies then waited
+for that GEMM, and the op took 1.28-1.35x the GEMM (2x H200, device timeline in
+benchmarks/probe_fused.py). So where rows_matmul runs on cuBLASLt (bf16/f16) that GEMM is one
+that takes the start's token as an operand; elsewhere XLA's dot reads pending.input (the
+start's output): data dependencies both.
 
 Backward: dx = matmul_reduce_scatter(ct, w.T) (overlapped the same way), dw from the rows
 gathered in the forward pass.
@@ -29,16 +29,20 @@ def gather_and_multiply(x, w, axes, n):
   """Returns (all_gather(x) @ w, the gathered rows of x in rank order)."""
   if n == 1:
     return x @ w, x
-  pending = ac.all_gather_start(x, axes, peers_only=True)  # [n-1, m, ..., K], ranks r+1, r+2..
   k = x.shape[-1]
-  if runs_on_cublaslt(x.dtype, k, w.shape[-1]):
+  gemm = runs_on_cublaslt(x.dtype, k, w.shape[-1])
+  # [n-1, m, ..., K], ranks r+1, r+2, ...; XLA's dot needs pending.input to follow the start,
+  # the rows_matmul GEMM takes the token (and x is read again below: no alias, no copy)
+  pending = ac.all_gather_start(x, axes, peers_only=True, order_input=not gemm)
+  if gemm:
     rows = x.reshape(-1, k)
     mine = rows_matmul(rows, w, axes, n, shift=0, block_rows=0, piece_row0=0,
                        rows=rows.shape[0], after=(pending.token,))
     others = ac.done_after(pending, pending.token, mine)  # after the GEMM, not above it
     mine = mine.reshape(*x.shape[:-1], w.shape[-1])
   else:
-    mine = pending.input @ w
+    x = pending.input
+    mine = x @ w
     others, mine = ac.done(pending, mine)
   theirs = (others.reshape(-1, k) @ w).reshape(*others.shape[:-1], w.shape[-1])
   r = common.rank(axes)

@@ -135,7 +135,7 @@ def reduce_scatter_ring(x, w, axes, n: int, pieces: Sequence[int], layout: Calla
         continue
       part = ov.computed(rows_matmul(ov.inputs(x), w, axes, n, after=ov.gemm_after(), **args))
       if s < n - 1:
-        in_flight[p] = ov.start(ac.ppermute_start(part, axes, to_next))
+        in_flight[p] = ov.start(ac.ppermute_start(part, axes, to_next, order_input=False))
       else:
         mine.append(part)
         if on_sum is not None:

@@ -59,7 +59,8 @@ done_p = ji.Primitive("hoccl_done")
 done_p.multiple_results = True
 
 
-def _start_abstract_eval(x, *, op, axes, axis_size, perm, peers_only, invariant, site):
+def _start_abstract_eval(x, *, op, axes, axis_size, perm, peers_only, invariant, site,
+                         order_input):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl {op}_start: input must be varying over {axes}, got {set(vma)}")
@@ -69,7 +70,7 @@ def _start_abstract_eval(x, *, op, axes, axis_size, perm, peers_only, invariant,
   else:
     out = ji.with_type(x, x.shape, vma)
   token = ji.with_type(x, (), vma).update(dtype=np.dtype(np.int32), weak_type=False)
-  return [out, token, x]
+  return [out, token, x] if order_input else [out, token]
 
 
 def _start_attrs(ctx, axes, op: str, site: int) -> dict:
@@ -77,7 +78,8 @@ def _start_attrs(ctx, axes, op: str, site: int) -> dict:
   return {**axes_lib.ffi_group_attrs(ctx, axes, op, site), "stream": np.int64(async_stream(site))}
 
 
-def _start_lowering(ctx, x, *, op, axes, axis_size, perm, peers_only, invariant, site):
+def _start_lowering(ctx, x, *, op, axes, axis_size, perm, peers_only, invariant, site,
+                    order_input):
   attrs = _start_attrs(ctx, axes, op, site)
   if op == "all_gather":
     attrs["peers_only"] = np.int64(peers_only)
@@ -86,8 +88,8 @@ def _start_lowering(ctx, x, *, op, axes, axis_size, perm, peers_only, invariant,
     for s, d in perm:
       dst[s] = d
     attrs["permute_dst"] = dst
-  return ffi_lower(f"hoccl_{op}_start", op, ctx, x, **attrs,
-                   lowering_args=dict(operand_output_aliases={0: 2}))  # output 2: x
+  return ffi_lower(f"hoccl_{op}_start", op, ctx, x, **attrs,  # output 2: x, aliased
+                   lowering_args=dict(operand_output_aliases={0: 2} if order_input else {}))
 
 
 # all_gather (perm empty), or a ppermute into the sender's slot, into rows of a larger buffer
@@ -96,17 +98,19 @@ into_start_p = ji.Primitive("hoccl_into_start")
 into_start_p.multiple_results = True
 
 
-def _into_abstract_eval(x, *dst, axes, axis_size, shape, row, invariant, site, perm):
+def _into_abstract_eval(x, *dst, axes, axis_size, shape, row, invariant, site, perm,
+                        order_input):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl {'ppermute' if perm else 'all_gather'}_into_start: input must "
                      f"be varying over {axes}, got {set(vma)}")
   out = dst[0] if dst else ji.with_type(x, shape, vma - set(axes) if invariant else vma)
   token = ji.with_type(x, (), vma).update(dtype=np.dtype(np.int32), weak_type=False)
-  return [out, token, x]
+  return [out, token, x] if order_input else [out, token]
 
 
-def _into_lowering(ctx, x, *dst, axes, axis_size, shape, row, invariant, site, perm):
+def _into_lowering(ctx, x, *dst, axes, axis_size, shape, row, invariant, site, perm,
+                   order_input):
   op = "ppermute_into" if perm else "all_gather_into"
   attrs = _start_attrs(ctx, axes, op, site)
   row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(ctx.avals_in[0].dtype).itemsize
@@ -115,7 +119,8 @@ def _into_lowering(ctx, x, *dst, axes, axis_size, shape, row, invariant, site, p
   for s, d in perm:
     dst_of[s] = d
   return ffi_lower("hoccl_into_start", op, ctx, x, *dst, **attrs, permute_dst=dst_of,
-                   lowering_args=dict(operand_output_aliases={0: 2, **({1: 0} if dst else {})}))
+                   lowering_args=dict(operand_output_aliases={
+                       **({0: 2} if order_input else {}), **({1: 0} if dst else {})}))
 
 
 def _into_batch(args, dims, *, shape, **params):
@@ -130,8 +135,8 @@ def _into_batch(args, dims, *, shape, **params):
     buf = (jnp.broadcast_to(buf[:, None], (buf.shape[0], size, *buf.shape[1:])) if bd is None
            else jnp.moveaxis(buf, bd, 1))
     dst = [buf]
-  out, token, x = into_start_p.bind(x, *dst, shape=(shape[0], size, *shape[1:]), **params)
-  return [out, token, x], [1, ji.not_mapped, 1]
+  outs = into_start_p.bind(x, *dst, shape=(shape[0], size, *shape[1:]), **params)
+  return outs, [1, ji.not_mapped, 1][:len(outs)]
 
 
 into_start_p.def_abstract_eval(_into_abstract_eval)
@@ -190,8 +195,8 @@ def _start_batch(args, dims, *, op, **params):
   (x,), (d,) = args, dims
   if op == "all_to_all" and d == 0:
     x, d = jnp.moveaxis(x, 0, 1), 1
-  out, token, x = start_p.bind(x, op=op, **params)
-  return [out, token, x], [d + 1 if op == "all_gather" else d, ji.not_mapped, d]
+  outs = start_p.bind(x, op=op, **params)
+  return outs, [d + 1 if op == "all_gather" else d, ji.not_mapped, d][:len(outs)]
 
 
 def _done_batch(args, dims, *, site, wait_only, n_after):
@@ -232,16 +237,19 @@ class Pending:
     return cls(*children, *aux)
 
 
-def _pending(buf, token, x, site, finish=None):
-  """The Pending of a start that returned (buf, token, x aliased: ordered after it)."""
-  return Pending(buf, x, token, site, finish or (lambda b: b))
+def _pending(outs, x, site, finish=None):
+  """The Pending of a start that returned (buf, token[, x aliased, ordered after it])."""
+  buf, token, *x_after = outs
+  return Pending(buf, x_after[0] if x_after else x, token, site, finish or (lambda b: b))
 
 
-def _start(op, x, axes, n, *, perm=(), peers_only=False, invariant=False, finish=None):
+def _start(op, x, axes, n, order_input, *, perm=(), peers_only=False, invariant=False,
+           finish=None):
   site = axes_lib.new_site()
   outs = start_p.bind(x, op=op, axes=tuple(axes), axis_size=int(n), perm=tuple(perm),
-                      peers_only=bool(peers_only), invariant=bool(invariant), site=site)
-  return _pending(*outs, site, finish)
+                      peers_only=bool(peers_only), invariant=bool(invariant), site=site,
+                      order_input=bool(order_input))
+  return _pending(outs, x, site, finish)
 
 
 def done(pending: Pending, *deps):
@@ -272,7 +280,14 @@ def wait_after(pending: Pending, *after):
   return token
 
 
-def all_gather_start(x, axis_name, *, axis=0, tiled=False, peers_only=False, to="varying"):
+ORDER_INPUT_DOC = """
+  order_input: pending.input is x as an output of the start (aliased), so compute on it runs
+  after the start (the default). With False it is x itself: order compute with after_start
+  or the token instead, when x is still read after the start elsewhere (XLA would copy it)."""
+
+
+def all_gather_start(x, axis_name, *, axis=0, tiled=False, peers_only=False, to="varying",
+                     order_input=True):
   """Starts jax_hoccl.all_gather(x, ...). With peers_only=True the result holds only the
   n - 1 peers' blocks, stacked on a new leading axis in rotated order (rank+1, rank+2, ...):
   fused ops multiply their own block meanwhile. axis/tiled apply when peers_only=False."""
@@ -281,7 +296,7 @@ def all_gather_start(x, axis_name, *, axis=0, tiled=False, peers_only=False, to=
   axes_lib.check_dtype(x, "all_gather_start")
   x = common.ensure_varying(x, axes)
   if peers_only:
-    return _start("all_gather", x, axes, n, peers_only=True)
+    return _start("all_gather", x, axes, n, order_input, peers_only=True)
   nd = x.ndim
   ax = common.canonical_axis(axis, nd if tiled else nd + 1, "all_gather_start", "axis")
 
@@ -293,7 +308,8 @@ def all_gather_start(x, axis_name, *, axis=0, tiled=False, peers_only=False, to=
       y = y.reshape(shape)
     return y
 
-  return _start("all_gather", x, axes, n, invariant=(to != "varying"), finish=finish)
+  return _start("all_gather", x, axes, n, order_input, invariant=(to != "varying"),
+                finish=finish)
 
 
 def all_gather_into_start(x, axis_name, into, row, *, to="varying"):
@@ -318,8 +334,9 @@ def all_gather_into_start(x, axis_name, into, row, *, to="varying"):
   x = common.ensure_varying(x, axes)
   site = axes_lib.new_site()
   outs = into_start_p.bind(x, *dst, axes=tuple(axes), axis_size=int(n), shape=shape,
-                          row=int(row), invariant=(to != "varying"), site=site, perm=())
-  return _pending(*outs, site)
+                          row=int(row), invariant=(to != "varying"), site=site, perm=(),
+                          order_input=False)
+  return _pending(outs, x, site)
 
 
 def ppermute_into_start(x, axis_name, perm, into):
@@ -340,11 +357,12 @@ def ppermute_into_start(x, axis_name, perm, into):
   x = common.ensure_varying(x, axes)
   site = axes_lib.new_site()
   outs = into_start_p.bind(x, *dst, axes=tuple(axes), axis_size=int(n), shape=shape, row=0,
-                          invariant=False, site=site, perm=tuple(check_perm(perm, n)))
-  return _pending(*outs, site)
+                          invariant=False, site=site, perm=tuple(check_perm(perm, n)),
+                          order_input=False)
+  return _pending(outs, x, site)
 
 
-def all_to_all_start(x, axis_name, *, tiled=True):
+def all_to_all_start(x, axis_name, *, tiled=True, order_input=True):
   """Starts an all_to_all of x's leading axis (size n, or divisible by n with tiled=True):
   block j goes to rank j; done returns the received blocks stacked in rank order."""
   axes, n = axes_lib.check_axes(axis_name, "all_to_all_start")
@@ -355,12 +373,17 @@ def all_to_all_start(x, axis_name, *, tiled=True):
                      f"{n} blocks (the size of {axes}).")
   shape = x.shape
   blocks = common.ensure_varying(x, axes).reshape(n, shape[0] // n, *shape[1:])
-  return _start("all_to_all", blocks, axes, n, finish=lambda y: y.reshape(shape))
+  return _start("all_to_all", blocks, axes, n, order_input, finish=lambda y: y.reshape(shape))
 
 
-def ppermute_start(x, axis_name, perm):
+def ppermute_start(x, axis_name, perm, *, order_input=True):
   """Starts jax_hoccl.ppermute(x, axis_name, perm)."""
   axes, n = axes_lib.check_axes(axis_name, "ppermute_start")
   x = jnp.asarray(x)
   axes_lib.check_dtype(x, "ppermute_start")
-  return _start("ppermute", common.ensure_varying(x, axes), axes, n, perm=check_perm(perm, n))
+  return _start("ppermute", common.ensure_varying(x, axes), axes, n, order_input,
+                perm=check_perm(perm, n))
+
+
+for _f in (all_gather_start, all_to_all_start, ppermute_start):
+  _f.__doc__ += ORDER_INPUT_DOC

@@ -99,14 +99,15 @@ def _pipelined(x, axes, n):
   per = -(-size // (n * chunks))  # elements per rank block per chunk
   flat = jnp.pad(flat, (0, per * n * chunks - size))
   blocks = flat.reshape(chunks, n, per)  # chunk k, block j goes to rank j
-  exchanges = [ac.all_to_all_start(blocks[0], axes)]
+  exchanges = [ac.all_to_all_start(blocks[0], axes, order_input=False)]
   gathers, out = [], []
   for k in range(chunks):
     if k + 1 < chunks:  # start moving chunk k+1 before summing chunk k
-      exchanges.append(ac.all_to_all_start(exchanges[-1].after_start(blocks[k + 1]), axes))
+      exchanges.append(ac.all_to_all_start(exchanges[-1].after_start(blocks[k + 1]), axes,
+                                           order_input=False))
     got, = ac.done(exchanges[k])
     part = common.sum_leading(exchanges[-1].after_start(got))
-    gathers.append(ac.all_gather_start(part, axes, to="invariant"))
+    gathers.append(ac.all_gather_start(part, axes, to="invariant", order_input=False))
   for g in gathers:
     full, = ac.done(g)
     out.append(full.reshape(-1))
