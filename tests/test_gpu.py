@@ -224,6 +224,19 @@ def test_fused_on_gpu(mesh, name):
     np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-4, atol=1e-4)
 
 
+def _matches_lax(mesh, ours, ref, arrays, in_specs, out_spec):
+  """(ours jitted, its device arguments), after checking its values against ref's within 2%
+  of ref's largest magnitude (bf16/f16 GEMMs)."""
+  args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, in_specs)]
+  sm = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs,  # noqa: E731
+                                       out_specs=out_spec))
+  ours = sm(ours)
+  a, b = (np.asarray(f(*args)).astype(np.float32) for f in (ours, sm(ref)))
+  scale = np.abs(b).max()
+  assert scale > 0 and np.abs(a - b).max() <= 2e-2 * scale, np.abs(a - b).max() / scale
+  return ours, args
+
+
 def _entry_kinds(text, start_target):
   """The compiled program's start / gemm / done custom calls and XLA dots, in schedule order."""
   entry = text[text.index("\nENTRY "):].splitlines()
@@ -277,14 +290,10 @@ def test_matmul_all_to_all_blocks_on_gpu(mesh, dtype, experts):
   xs = (n * n, e, 64, 32) if experts else (n * n, 64, 32)
   ws = (n * e, 32, 48) if experts else (32, 48)
   x, w = _rand(xs, dtype, 61), _rand(ws, dtype, 62)
-  specs = (P("x"), P("x") if experts else P())
-  args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)]
-  sm = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=P("x")))  # noqa: E731
-  ours = sm(lambda x, w: jax_hoccl.matmul_all_to_all(x, w, "x"))
-  ref = sm(lambda x, w: jax.lax.all_to_all(jnp.matmul(x, w), "x", 0, 0, tiled=True))
-  a, b = (np.asarray(f(*args)).astype(np.float32) for f in (ours, ref))
-  scale = np.abs(b).max()
-  assert scale > 0 and np.abs(a - b).max() <= 2e-2 * scale, np.abs(a - b).max() / scale
+  ours, args = _matches_lax(
+      mesh, lambda x, w: jax_hoccl.matmul_all_to_all(x, w, "x"),
+      lambda x, w: jax.lax.all_to_all(jnp.matmul(x, w), "x", 0, 0, tiled=True),
+      (x, w), (P("x"), P("x") if experts else P()), P("x"))
   if dtype == jnp.float32:
     return
   text = ours.lower(*args).compile().as_text()
@@ -297,27 +306,15 @@ def test_matmul_all_to_all_blocks_on_gpu(mesh, dtype, experts):
 def test_all_gather_matmul_gemm_between_start_and_done_on_gpu(mesh, dtype):
   """The GEMM on this rank's rows is scheduled after the all_gather's start (so the copies
   overlap it) in the compiled GPU program, and the values equal jax.lax's. (XLA's own dot
-  was hoisted above the start; bf16/f16 use a rows_matmul custom call, which keeps the order.
-  f32 keeps XLA's dot: only the values are checked.)"""
+  behind an optimization barrier was hoisted above the start; bf16/f16 use a rows_matmul
+  custom call that takes the start's token, f32 XLA's dot on the start's output 2.)"""
   n = len(GPUS)
   x, w = _rand((n * 256, 512), dtype, 41), _rand((512, n * 256), dtype, 42)
-  specs = (P("x"), P(None, "x"))
-  args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)]
-  sm = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs,  # noqa: E731
-                                       out_specs=P(None, "x")))
-  ours = sm(lambda x, w: jax_hoccl.all_gather_matmul(x, w, "x"))
-  ref = sm(lambda x, w: jax.lax.all_gather(x, "x", tiled=True) @ w)
-  a, b = (np.asarray(f(*args)).astype(np.float32) for f in (ours, ref))
-  scale = np.abs(b).max()
-  assert scale > 0 and np.abs(a - b).max() <= 2e-2 * scale, np.abs(a - b).max() / scale
-  if dtype == jnp.float32:
-    return
-  text = ours.lower(*args).compile().as_text()
-  entry = text[text.index("\nENTRY "):].splitlines()  # the program's instructions, in order
-  kinds = ["start" if "hoccl_all_gather_start" in l else "done" if "hoccl_done" in l
-           else "gemm" for l in entry if " = " in l and (
-               "hoccl_all_gather_start" in l or "hoccl_done" in l or "hoccl_rows_matmul" in l
-               or "gemm" in l or " dot(" in l)]
+  ours, args = _matches_lax(
+      mesh, lambda x, w: jax_hoccl.all_gather_matmul(x, w, "x"),
+      lambda x, w: jax.lax.all_gather(x, "x", tiled=True) @ w,
+      (x, w), (P("x"), P(None, "x")), P(None, "x"))
+  kinds = _entry_kinds(ours.lower(*args).compile().as_text(), "hoccl_all_gather_start")
   assert kinds.index("start") < kinds.index("gemm") < kinds.index("done"), kinds
 
 

@@ -2,7 +2,8 @@
 tiled=True): DLRM-style model-parallel embeddings. Each rank owns a table shard; ids[j]
 holds rank j's samples' indices into it; the pooled (summed) embeddings go back to the
 rank that owns the samples. The lookup for rank j is sent (copy engines) while XLA looks up
-the next block.
+the next block; the lookup of my own block is written into its slot of the output (XLA fuses
+it into the dynamic_update_slice, in place), the received ones land in theirs (pipeline.py).
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ import jax
 
 from jax_hoccl._src.fused import ring
 from jax_hoccl._src.ops import async_collectives as ac
+from jax_hoccl._src.ops import common
 
 
 def all_to_all_by_shifts(peer_block: Callable, own_into: Callable, axes, n: int,
@@ -46,25 +47,12 @@ def all_to_all_by_shifts(peer_block: Callable, own_into: Callable, axes, n: int,
                        ov.token)
 
 
-def compute_all_to_all(compute, select, axes, n):
-  """all_to_all over the leading axis of compute(select(j)), block j computed for rank j
-  (select(j): block j's input, a fresh array such as a dynamic slice), with XLA's ops."""
-  if n == 1:
-    return compute(select(0))[None]
-  block = jax.eval_shape(lambda: compute(select(0)))
-  out = all_to_all_by_shifts(
-      peer_by_compute(compute, select, axes, n),
-      own_by_update(compute, select, axes, n), axes, n,
-      (n * block.shape[0], *block.shape[1:]))
-  return out.reshape(n, *block.shape)
-
-
-def own_by_update(compute: Callable, select: Callable, axes, n: int):
+def own_by_update(compute: Callable, select: Callable, axes):
   """own_into for XLA compute: my block computed from select(r) (passed through `after`) and
   written into my slot with a dynamic_update_slice, which XLA does in place (and fuses the
   compute into where it can)."""
   def own_into(buf, after):
-    r = jax.lax.axis_index(axes[0] if len(axes) == 1 else axes)
+    r = common.rank(axes)
     mine = compute(ac.after(after[0], select(r)) if after else select(r))
     return jax.lax.dynamic_update_slice_in_dim(buf, mine.astype(buf.dtype),
                                                r * mine.shape[0], axis=0)
@@ -76,7 +64,20 @@ def peer_by_compute(compute: Callable, select: Callable, axes, n: int):
   `after` (select should return a fresh array, such as a dynamic slice: an input still read
   elsewhere would be copied first)."""
   def peer_block(k, after):
-    r = jax.lax.axis_index(axes[0] if len(axes) == 1 else axes)
+    r = common.rank(axes)
     sel = select((r + k) % n)
     return compute(ac.after(after[0], sel) if after else sel)
   return peer_block
+
+
+def compute_all_to_all(compute, select, axes, n):
+  """all_to_all over the leading axis of compute(select(j)), block j computed for rank j
+  (select(j): block j's input, a fresh array such as a dynamic slice), with XLA's ops."""
+  if n == 1:
+    return compute(select(0))[None]
+  block = jax.eval_shape(lambda: compute(select(0)))
+  out = all_to_all_by_shifts(
+      peer_by_compute(compute, select, axes, n),
+      own_by_update(compute, select, axes), axes, n,
+      (n * block.shape[0], *block.shape[1:]))
+  return out.reshape(n, *block.shape)
