@@ -24,6 +24,15 @@ from jax_hoccl._src.ops import common
 
 ITERS = 10
 ROUNDS = 7
+# per device: MoE x [n, E, C, H] (tokens of every rank for my E experts) @ w [E, H, D];
+# DLRM: a table shard [V, D] f32, ids [n, B, L] (L ids per sample) of every rank's samples
+MOE_ECHD = (4, 2048, 4096, 4096)
+EMBEDDING_VDBL = (1 << 20, 128, 65536, 20)
+
+
+def embedding_lookup(table, ids):
+  """The local pooled lookup (embedding_all_to_all's compute, jax.numpy only)."""
+  return jnp.take(table, ids, axis=0).sum(-2)
 
 
 def looped(mesh, body, in_specs):
@@ -176,7 +185,7 @@ def bench_fused(mesh, quick=False):
     }, (x, w), specs)
 
   # MoE combine: per device x [n, E, C, H] (tokens of every rank for my E experts), w [E, H, D].
-  e, c, h, d = (2, 64, 256, 256) if quick else (4, 2048, 4096, 4096)
+  e, c, h, d = (2, 64, 256, 256) if quick else MOE_ECHD
   x, w = rnd(n * n, e, c, h), rnd(n * e, h, d)
   specs = (P("x"), P("x"))
   record("matmul_all_to_all", f"E={e}/dev,C={c},H={h},D={d}",
@@ -187,16 +196,15 @@ def bench_fused(mesh, quick=False):
          }, (x, w), specs)
 
   # DLRM embeddings: per device a table [V, D] f32 and ids [n, B, L] of every rank's samples.
-  v, dim, b, l = (1000, 16, 64, 4) if quick else (1 << 20, 128, 65536, 20)
+  v, dim, b, l = (1000, 16, 64, 4) if quick else EMBEDDING_VDBL
   table = rng.standard_normal((n * v, dim), dtype=np.float32)
   ids = rng.integers(0, v, (n * n, b, l)).astype(np.int32)
   specs = (P("x"), P("x"))
-  lookup = lambda t, i: jnp.take(t, i, axis=0).sum(-2)  # noqa: E731
   # "GEMM only" here = the local lookup alone
-  record("embedding_all_to_all", f"V={v},D={dim},B={b},L={l}", lookup, (table, ids), {
+  record("embedding_all_to_all", f"V={v},D={dim},B={b},L={l}", embedding_lookup, (table, ids), {
       "jax_hoccl.embedding_all_to_all":
           lambda t, i: jax_hoccl.embedding_all_to_all(t, i, "x"),
       "jax.lax lookup+all_to_all":
-          lambda t, i: jax.lax.all_to_all(lookup(t, i), "x", 0, 0, tiled=True),
+          lambda t, i: jax.lax.all_to_all(embedding_lookup(t, i), "x", 0, 0, tiled=True),
   }, (table, ids), specs)
   return rows

@@ -103,22 +103,22 @@ def timeline(f, args, calls=3):
 def all_to_all_op(op):
   """matmul_all_to_all / embedding_all_to_all at the benchmark's shapes: time against the
   compute alone and jax.lax's form, the schedule, and with PROBE_TIMELINE the timelines."""
-  from bench_fused import ITERS, looped
+  from bench_fused import EMBEDDING_VDBL, ITERS, MOE_ECHD, embedding_lookup, looped
   devices = jax.devices()
   n = len(devices)
   mesh = jax.make_mesh((n,), ("x",))
   rng = np.random.default_rng(0)
   if op == "matmul_all_to_all":
-    e, c, h, d = 4, 2048, 4096, 4096
+    e, c, h, d = MOE_ECHD
     args = tuple((rng.standard_normal(s, dtype=np.float32) * 0.05).astype(jnp.bfloat16)
                  for s in ((n * n, e, c, h), (n * e, h, d)))
     alone = jnp.matmul
     body = lambda x, w: jax_hoccl.matmul_all_to_all(x, w, "x")  # noqa: E731
   else:
-    v, dim, b, l = 1 << 20, 128, 65536, 20
+    v, dim, b, l = EMBEDDING_VDBL
     args = (rng.standard_normal((n * v, dim), dtype=np.float32),
             rng.integers(0, v, (n * n, b, l)).astype(np.int32))
-    alone = lambda t, i: jnp.take(t, i, axis=0).sum(-2)  # noqa: E731
+    alone = embedding_lookup
     body = lambda t, i: jax_hoccl.embedding_all_to_all(t, i, "x")  # noqa: E731
   lax_body = lambda *a: jax.lax.all_to_all(alone(*a), "x", 0, 0, tiled=True)  # noqa: E731
   specs = (P("x"), P("x"))

@@ -328,20 +328,26 @@ def _sched_fns():
     g, = hc.done(p)
     return g, y
 
-  return forced, unforced
+  def after_started(x, w):
+    p = hc.all_gather_start(x, "x", tiled=True, order_input=False)
+    y = p.after_start(x * 2.0) @ w
+    g, y = hc.done(p, y)
+    return g, y
+
+  return forced, unforced, after_started
 
 
 @pytest.mark.parametrize("check_vma", CHECK_VMA)
 def test_schedule_start_compute_done(check_vma):
   """Compiled, scheduled HLO: start, then the dot (or the fusion computing it), then done;
-  done takes the dot's result; no copy of x (donated). The HLO before and after XLA's
-  optimisations shows the edges that force it (the dot reads x through hoccl_after with
-  start's token); with the dependency removed the same helper reports the order as not
-  forced."""
+  done takes the dot's result; x (a fresh array) is neither copied nor computed twice. The
+  HLO before and after XLA's optimisations shows the edges that force it (the dot reads x as
+  the start's output 2; with after_start, through hoccl_after with the start's token); with
+  the dependency removed the same helper reports the order as not forced."""
   rng = np.random.default_rng(3)
   x = put(MESH1, rand(rng, (8 * M, K), jnp.float32))
   w = put(MESH1, rand(rng, W_SHAPE, jnp.float32), P())
-  forced, unforced = _sched_fns()
+  forced, unforced, after_started = _sched_fns()
   # the gather is varying (to="varying"): each device's copy is one block of the output
   specs = dict(in_specs=(P("x"), P()), out_specs=(P("x"), P("x")))
   # on x + 1, a fresh array as activations are: pending.input aliases its x, so XLA copies a
@@ -367,6 +373,15 @@ def test_schedule_start_compute_done(check_vma):
   for text in (pre, hlo):
     try:
       assert order_forced(text) == (True, True)
+    except AssertionError:
+      print(text)
+      raise
+  # pending.after_start on another fresh array orders the dot the same way
+  via_after = smap(MESH1, after_started, check_vma, **specs).lower(x, w)
+  for text in (via_after.as_text(dialect="hlo"), via_after.compile().as_text()):
+    try:
+      _, _, _, i_start, i_dot, i_done = find_schedule(text)
+      assert order_forced(text) == (True, True) and i_start < i_dot < i_done
     except AssertionError:
       print(text)
       raise

@@ -583,11 +583,11 @@ def test_fused_under_vmap(op):
 
 @pytest.mark.parametrize("experts", [None, 2])
 def test_matmul_all_to_all_structure(experts):
-  """matmul_all_to_all's program (bf16), lowered for CPU and, cross-platform, for CUDA: n
-  GEMMs, n - 1 ppermute starts into the sender's slot of one output buffer, n - 2 waits and
-  one done. On CUDA the GEMMs are rows_matmul calls (x's blocks read
-  in place, per-expert weights as one strided batch, the own block written into its slot):
-  no dot, dynamic_slice or gather left. Values equal jax.lax's."""
+  """matmul_all_to_all's program (bf16), lowered for CPU and, cross-platform, for CUDA: n - 1
+  ppermute starts into the sender's slot of one output buffer, n - 2 waits and one done. On
+  CUDA its n GEMMs are rows_matmul calls (x's blocks read in place, per-expert weights as one
+  strided batch, the own block written into its slot): no dot, dynamic_slice, gather or
+  concatenate left. Values equal jax.lax's."""
   mesh = MESHES["tp4"]
   n, d = mesh.shape["tp"], mesh.shape["dp"]
   rng = np.random.default_rng(5)

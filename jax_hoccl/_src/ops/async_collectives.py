@@ -78,49 +78,50 @@ def _start_attrs(ctx, axes, op: str, site: int) -> dict:
   return {**axes_lib.ffi_group_attrs(ctx, axes, op, site), "stream": np.int64(async_stream(site))}
 
 
+def _permute_dst(perm, axis_size: int) -> np.ndarray:
+  """The permute_dst attribute: dst[s] = where rank s sends, -1 for nowhere."""
+  dst = np.full(axis_size, -1, np.int64)
+  for s, d in perm:
+    dst[s] = d
+  return dst
+
+
 def _start_lowering(ctx, x, *, op, axes, axis_size, perm, peers_only, invariant, site,
                     order_input):
   attrs = _start_attrs(ctx, axes, op, site)
   if op == "all_gather":
     attrs["peers_only"] = np.int64(peers_only)
   if op == "ppermute":
-    dst = np.full(axis_size, -1, np.int64)
-    for s, d in perm:
-      dst[s] = d
-    attrs["permute_dst"] = dst
+    attrs["permute_dst"] = _permute_dst(perm, axis_size)
   return ffi_lower(f"hoccl_{op}_start", op, ctx, x, **attrs,  # output 2: x, aliased
                    lowering_args=dict(operand_output_aliases={0: 2} if order_input else {}))
 
 
 # all_gather (perm empty), or a ppermute into the sender's slot, into rows of a larger buffer
-# (operands x[, dst]; the output aliases dst).
+# (operands x[, dst]; the output aliases dst). Its callers (the fused ops) order compute by the
+# token, so it has no output 2 (x aliased) like start_p's.
 into_start_p = ji.Primitive("hoccl_into_start")
 into_start_p.multiple_results = True
 
 
-def _into_abstract_eval(x, *dst, axes, axis_size, shape, row, invariant, site, perm,
-                        order_input):
+def _into_abstract_eval(x, *dst, axes, axis_size, shape, row, invariant, site, perm):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl {'ppermute' if perm else 'all_gather'}_into_start: input must "
                      f"be varying over {axes}, got {set(vma)}")
   out = dst[0] if dst else ji.with_type(x, shape, vma - set(axes) if invariant else vma)
   token = ji.with_type(x, (), vma).update(dtype=np.dtype(np.int32), weak_type=False)
-  return [out, token, x] if order_input else [out, token]
+  return [out, token]
 
 
-def _into_lowering(ctx, x, *dst, axes, axis_size, shape, row, invariant, site, perm,
-                   order_input):
+def _into_lowering(ctx, x, *dst, axes, axis_size, shape, row, invariant, site, perm):
   op = "ppermute_into" if perm else "all_gather_into"
   attrs = _start_attrs(ctx, axes, op, site)
   row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(ctx.avals_in[0].dtype).itemsize
   attrs["offset"] = np.int64(row * row_bytes)
-  dst_of = np.full(axis_size if perm else 0, -1, np.int64)  # empty: all_gather
-  for s, d in perm:
-    dst_of[s] = d
-  return ffi_lower("hoccl_into_start", op, ctx, x, *dst, **attrs, permute_dst=dst_of,
-                   lowering_args=dict(operand_output_aliases={
-                       **({0: 2} if order_input else {}), **({1: 0} if dst else {})}))
+  return ffi_lower("hoccl_into_start", op, ctx, x, *dst, **attrs,
+                   permute_dst=_permute_dst(perm, axis_size if perm else 0),  # empty: gather
+                   lowering_args=dict(operand_output_aliases={1: 0}) if dst else None)
 
 
 def _into_batch(args, dims, *, shape, **params):
@@ -135,8 +136,8 @@ def _into_batch(args, dims, *, shape, **params):
     buf = (jnp.broadcast_to(buf[:, None], (buf.shape[0], size, *buf.shape[1:])) if bd is None
            else jnp.moveaxis(buf, bd, 1))
     dst = [buf]
-  outs = into_start_p.bind(x, *dst, shape=(shape[0], size, *shape[1:]), **params)
-  return outs, [1, ji.not_mapped, 1][:len(outs)]
+  out, token = into_start_p.bind(x, *dst, shape=(shape[0], size, *shape[1:]), **params)
+  return [out, token], [1, ji.not_mapped]
 
 
 into_start_p.def_abstract_eval(_into_abstract_eval)
@@ -144,11 +145,6 @@ ji.register_lowering(into_start_p, _into_lowering)
 ji.primitive_batchers[into_start_p] = _into_batch
 
 
-# done's operands: (buf, x, *deps, *after) -> (buf, *deps). deps come back aliased (the
-# caller goes on with them); the last n_after operands only order done after them (tokens:
-# aliasing those would make XLA copy them). wait_only: for a start of an `into` chain whose
-# buffer went on to a later start, (x, *after) -> a fresh token (never written or read: it
-# only orders what takes it after this wait, and keeps the wait from being dropped).
 # after: (token, *arrays) -> arrays, each output aliasing its array (the handler does nothing):
 # compute that reads the outputs depends on the token, i.e. runs after the start.
 after_p = ji.Primitive("hoccl_after")
@@ -171,6 +167,11 @@ def after(token, tree):
   return jax.tree.unflatten(treedef, after_p.bind(token, *leaves))
 
 
+# done's operands: (buf, x, *deps, *after) -> (buf, *deps). deps come back aliased (the
+# caller goes on with them); the last n_after operands only order done after them (tokens:
+# aliasing those would make XLA copy them). wait_only: for a start of an `into` chain whose
+# buffer went on to a later start, (x, *after) -> a fresh token (never written or read: it
+# only orders what takes it after this wait, and keeps the wait from being dropped).
 def _done_abstract_eval(*args, site, wait_only, n_after):
   if wait_only:
     return [ji.with_type(args[1], (), ji.varying_axes(args[1])).update(
@@ -312,6 +313,20 @@ def all_gather_start(x, axis_name, *, axis=0, tiled=False, peers_only=False, to=
                 finish=finish)
 
 
+def _into_target(into):
+  """(dst operands, buffer shape) of an into start's `into`: an array (donated) or a shape."""
+  if isinstance(into, (tuple, list)):
+    return (), tuple(into)
+  return (into,), into.shape
+
+
+def _into_start(x, dst, axes, n, **params):
+  x = common.ensure_varying(x, axes)
+  site = axes_lib.new_site()
+  outs = into_start_p.bind(x, *dst, axes=tuple(axes), axis_size=int(n), site=site, **params)
+  return _pending(outs, x, site)
+
+
 def all_gather_into_start(x, axis_name, into, row, *, to="varying"):
   """Starts all_gather(x, axis_name, tiled=True) written into rows [row, row + n * len(x))
   of a larger buffer. `into` is either an array of x's dtype and trailing shape, donated
@@ -324,19 +339,14 @@ def all_gather_into_start(x, axis_name, into, row, *, to="varying"):
   axes_lib.check_dtype(x, "all_gather_into_start")
   if x.ndim == 0:
     raise ValueError("jax_hoccl.all_gather_into_start: x needs a leading axis")
-  dst = () if isinstance(into, (tuple, list)) else (into,)
-  shape = tuple(into) if not dst else into.shape
+  dst, shape = _into_target(into)
   if (shape[1:] != x.shape[1:] or not 0 <= row <= shape[0] - n * x.shape[0]
       or (dst and into.dtype != x.dtype)):
     raise ValueError(f"jax_hoccl.all_gather_into_start: rows [{row}, {row + n * x.shape[0]}) "
                      f"of {x.dtype}{list(x.shape[1:])} do not fit into {shape}"
                      + (f" {into.dtype}" if dst else ""))
-  x = common.ensure_varying(x, axes)
-  site = axes_lib.new_site()
-  outs = into_start_p.bind(x, *dst, axes=tuple(axes), axis_size=int(n), shape=shape,
-                          row=int(row), invariant=(to != "varying"), site=site, perm=(),
-                          order_input=False)
-  return _pending(outs, x, site)
+  return _into_start(x, dst, axes, n, shape=shape, row=int(row), invariant=(to != "varying"),
+                     perm=())
 
 
 def ppermute_into_start(x, axis_name, perm, into):
@@ -348,18 +358,13 @@ def ppermute_into_start(x, axis_name, perm, into):
   axes, n = axes_lib.check_axes(axis_name, "ppermute_into_start")
   x = jnp.asarray(x)
   axes_lib.check_dtype(x, "ppermute_into_start")
-  dst = () if isinstance(into, (tuple, list)) else (into,)
-  shape = tuple(into) if not dst else into.shape
+  dst, shape = _into_target(into)
   if (x.ndim == 0 or shape != (n * x.shape[0], *x.shape[1:])
       or (dst and into.dtype != x.dtype)):
     raise ValueError(f"jax_hoccl.ppermute_into_start: {n} slots of {x.dtype}{list(x.shape)} "
                      f"do not make {shape}" + (f" {into.dtype}" if dst else ""))
-  x = common.ensure_varying(x, axes)
-  site = axes_lib.new_site()
-  outs = into_start_p.bind(x, *dst, axes=tuple(axes), axis_size=int(n), shape=shape, row=0,
-                          invariant=False, site=site, perm=tuple(check_perm(perm, n)),
-                          order_input=False)
-  return _pending(outs, x, site)
+  return _into_start(x, dst, axes, n, shape=shape, row=0, invariant=False,
+                     perm=tuple(check_perm(perm, n)))
 
 
 def all_to_all_start(x, axis_name, *, tiled=True, order_input=True):
