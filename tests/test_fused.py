@@ -581,6 +581,34 @@ def test_fused_under_vmap(op):
   assert_close(run(ours), run(lax), f32, name=op)
 
 
+def test_all_gather_matmul_structure():
+  """all_gather_matmul's program (bf16), lowered for CPU and, cross-platform, for CUDA: one
+  peers-only all_gather start and its done; on CUDA n rows_matmul GEMMs, each writing its rows
+  into its rank's slot of one output (no dot, no concatenate or roll of the output after).
+  Values equal jax.lax's."""
+  mesh = MESHES["tp4"]
+  n, d = mesh.shape["tp"], mesh.shape["dp"]
+  rng = np.random.default_rng(6)
+  x = put(mesh, rand(rng, (d * n * 4, 3, 16), jnp.bfloat16), P(("dp", "tp")))
+  w = put(mesh, rand(rng, (16, n * 8), jnp.bfloat16), P(None, "tp"))
+  sm = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(("dp", "tp")), P(None, "tp")),  # noqa: E731
+                                       out_specs=P("dp", None, "tp")))
+  ours = sm(lambda x, w: hc.all_gather_matmul(x, w, "tp"))
+  ref = sm(lambda x, w: jax.lax.all_gather(x, "tp", tiled=True) @ w)
+  texts = [ours.lower(x, w).as_text()]
+  if hc.with_cuda:
+    texts.append(ours.trace(x, w).lower(lowering_platforms=("cuda",)).as_text())
+  for text in texts:
+    assert text.count("@hoccl_all_gather_start(") == 1 and text.count("@hoccl_done(") == 1
+  if hc.with_cuda:
+    cuda = texts[1]
+    assert cuda.count("@hoccl_rows_matmul(") == n
+    for op in ("dot_general", "concatenate", "dynamic_slice"):
+      assert f"stablehlo.{op}" not in cuda, op
+  np.testing.assert_allclose(np.asarray(ours(x, w), np.float32), np.asarray(ref(x, w), np.float32),
+                             rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("experts", [None, 2])
 def test_matmul_all_to_all_structure(experts):
   """matmul_all_to_all's program (bf16), lowered for CPU and, cross-platform, for CUDA: n - 1

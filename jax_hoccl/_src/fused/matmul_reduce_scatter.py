@@ -75,7 +75,8 @@ def _mmrs_bwd(axis_name, chunks, res, ct):
   from jax_hoccl._src.fused.all_gather_matmul import gather_and_multiply
   x, w = res
   axes, n = axes_lib.check_axes(axis_name, "matmul_reduce_scatter")
-  dx, ct_gathered = gather_and_multiply(common.ensure_varying(ct, axes), w.T, axes, n)
+  dx, ct_gathered = gather_and_multiply(common.ensure_varying(ct, axes), w.T, axes, n,
+                                        with_rows=True)
   k, nout = w.shape
   dw = x.reshape(-1, k).T @ ct_gathered.reshape(-1, nout)
   return common.cotangent_like(dx, x), common.cotangent_like(dw, w)
