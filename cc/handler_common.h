@@ -17,7 +17,7 @@ inline xla::ffi::Error DecodeOp(OpKind op, int64_t device, size_t in_bytes, size
                                 xla::ffi::Span<const int64_t> groups, int64_t group_size,
                                 xla::ffi::Span<const int64_t> permute_dst, bool peers_only,
                                 OpSpec* spec, std::vector<int64_t>* group_ids,
-                                bool at_source_slot = false) {
+                                bool at_source_slot = false, bool in_place = false) {
   GroupPosition pos;
   std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
   if (!err.empty())
@@ -25,6 +25,7 @@ inline xla::ffi::Error DecodeOp(OpKind op, int64_t device, size_t in_bytes, size
   *spec = OpSpec{op, static_cast<int>(group_size), pos.rank, in_bytes, {}, peers_only};
   spec->permute_dst.assign(permute_dst.begin(), permute_dst.end());
   spec->at_source_slot = at_source_slot;
+  spec->in_place = in_place;
   if (out_bytes != OutputBytes(*spec))
     return xla::ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) +
                                             ": output size does not match the input");
@@ -42,23 +43,39 @@ inline xla::ffi::ErrorOr<xla::ffi::Result<xla::ffi::AnyBuffer>> StartOutput(
   return *out;
 }
 
-// into_start's operands (x[, dst]) and the rows [offset, offset + n * |x|) of `out` it
-// writes (all_gather: every rank's slot; ppermute: the sender's slot), checked against out's
-// size.
+// into_start's operands and the rows [offset, offset + n * block) of `out` it writes
+// (all_gather: every rank's slot; ppermute: the sender's slot), checked against out's size.
+// Operands (x[, dst]); or, for an all_gather in place (in_place_bytes = the block's bytes > 0),
+// only the buffer: my block is already in my slot, which is also the input peers read
+// (its address needs my rank: InputOf).
 struct IntoRows {
-  xla::ffi::AnyBuffer x;
+  const void* x = nullptr;
+  size_t x_bytes = 0;
   void* dst = nullptr;
   size_t bytes = 0;
+  bool in_place = false;
+  const void* InputOf(int rank) const {
+    return in_place ? static_cast<const char*>(dst) + rank * x_bytes : x;
+  }
 };
 inline xla::ffi::ErrorOr<IntoRows> DecodeInto(xla::ffi::RemainingArgs args,
                                                xla::ffi::AnyBuffer out, int64_t group_size,
-                                               int64_t offset) {
-  auto x = args.get<xla::ffi::AnyBuffer>(0);
-  if (x.has_error()) return x.error();
-  size_t bytes = x->size_bytes() * static_cast<size_t>(group_size);
-  if (offset < 0 || static_cast<size_t>(offset) + bytes > out.size_bytes())
+                                               int64_t offset, int64_t in_place_bytes) {
+  IntoRows rows;
+  rows.in_place = in_place_bytes > 0;
+  if (rows.in_place) {
+    rows.x_bytes = static_cast<size_t>(in_place_bytes);
+  } else {
+    auto x = args.get<xla::ffi::AnyBuffer>(0);
+    if (x.has_error()) return x.error();
+    rows.x = x->untyped_data();
+    rows.x_bytes = x->size_bytes();
+  }
+  rows.bytes = rows.x_bytes * static_cast<size_t>(group_size);
+  if (offset < 0 || static_cast<size_t>(offset) + rows.bytes > out.size_bytes())
     return xla::ffi::Error::InvalidArgument("jax_hoccl into_start: rows out of the buffer");
-  return IntoRows{*x, static_cast<char*>(out.untyped_data()) + offset, bytes};
+  rows.dst = static_cast<char*>(out.untyped_data()) + offset;
+  return rows;
 }
 
 }  // namespace hoccl

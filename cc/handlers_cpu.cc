@@ -46,16 +46,19 @@ ffi::Future Failed(ffi::Error error) {
   return future;
 }
 
-ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, ffi::AnyBuffer x,
-                   void* out_data, size_t out_bytes, ffi::Span<const int64_t> groups,
-                   int64_t group_size, ffi::Span<const int64_t> permute_dst,
-                   bool peers_only = false, bool at_source_slot = false) {
+// in_place: `in` is ignored, the input is my slot of the output (plan.h).
+ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* in,
+                   size_t in_bytes, void* out_data, size_t out_bytes,
+                   ffi::Span<const int64_t> groups, int64_t group_size,
+                   ffi::Span<const int64_t> permute_dst, bool peers_only = false,
+                   bool at_source_slot = false, bool in_place = false) {
   HostTimer timer("cpu handler");  // decode and rendezvous; the copies run at the last arrival
   OpSpec spec;
   std::vector<int64_t> ids;
-  ffi::Error decoded = DecodeOp(op, device, x.size_bytes(), out_bytes, groups, group_size,
-                                permute_dst, peers_only, &spec, &ids, at_source_slot);
+  ffi::Error decoded = DecodeOp(op, device, in_bytes, out_bytes, groups, group_size,
+                                permute_dst, peers_only, &spec, &ids, at_source_slot, in_place);
   if (!decoded.success()) return Failed(std::move(decoded));
+  if (in_place) in = static_cast<const char*>(out_data) + spec.rank * in_bytes;
   std::string err = ValidateSpec(spec);
   if (!err.empty())
     return Failed(ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) + ": " + err));
@@ -63,7 +66,7 @@ ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, ffi::AnyBuffe
   ffi::Promise promise;
   ffi::Future future(promise);
   comm.ArriveAsync(
-      comm.NextSeqAt(spec.rank, call->key), spec.rank, OpName(op), x.untyped_data(), out_data,
+      comm.NextSeqAt(spec.rank, call->key), spec.rank, OpName(op), in, out_data,
       [promise](const std::string& error) mutable {
         if (error.empty()) {
           promise.SetAvailable();
@@ -87,7 +90,8 @@ ffi::Future AllGatherStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return Failed(out_or.error());
   ffi::Result<ffi::AnyBuffer> out = *out_or;
-  return RunCpu(OpKind::kAllGather, device, call, x, out->untyped_data(), out->size_bytes(),
+  return RunCpu(OpKind::kAllGather, device, call, x.untyped_data(), x.size_bytes(),
+                out->untyped_data(), out->size_bytes(),
                 groups, group_size, {}, peers_only != 0);
 }
 // all_gather, or a ppermute into the sender's slot, into rows [offset, ...) of a larger
@@ -95,16 +99,17 @@ ffi::Future AllGatherStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
 ffi::Future IntoStartCpu(int32_t device, CpuCall* call, ffi::RemainingArgs args,
                          ffi::RemainingRets rets,
                          ffi::Span<const int64_t> groups, int64_t group_size, int64_t offset,
-                         ffi::Span<const int64_t> permute_dst, int64_t /*stream: GPU only*/,
-                         int64_t /*site*/) {
+                         ffi::Span<const int64_t> permute_dst, int64_t in_place,
+                         int64_t /*stream: GPU only*/, int64_t /*site*/) {
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return Failed(out_or.error());
   ffi::Result<ffi::AnyBuffer> out = *out_or;
-  auto into = DecodeInto(args, *out, group_size, offset);
+  auto into = DecodeInto(args, *out, group_size, offset, in_place);
   if (into.has_error()) return Failed(into.error());
   const bool permute = permute_dst.size() > 0;
   return RunCpu(permute ? OpKind::kPermute : OpKind::kAllGather, device, call, into->x,
-                into->dst, into->bytes, groups, group_size, permute_dst, false, permute);
+                into->x_bytes, into->dst, into->bytes, groups, group_size, permute_dst, false,
+                permute, into->in_place);
 }
 ffi::Future AllToAllStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                              ffi::RemainingRets rets,
@@ -113,7 +118,8 @@ ffi::Future AllToAllStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return Failed(out_or.error());
   ffi::Result<ffi::AnyBuffer> out = *out_or;
-  return RunCpu(OpKind::kAllToAll, device, call, x, out->untyped_data(), out->size_bytes(),
+  return RunCpu(OpKind::kAllToAll, device, call, x.untyped_data(), x.size_bytes(),
+                out->untyped_data(), out->size_bytes(),
                 groups, group_size, {});
 }
 ffi::Future PermuteStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
@@ -124,7 +130,8 @@ ffi::Future PermuteStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return Failed(out_or.error());
   ffi::Result<ffi::AnyBuffer> out = *out_or;
-  return RunCpu(OpKind::kPermute, device, call, x, out->untyped_data(), out->size_bytes(),
+  return RunCpu(OpKind::kPermute, device, call, x.untyped_data(), x.size_bytes(),
+                out->untyped_data(), out->size_bytes(),
                 groups, group_size, permute_dst);
 }
 ffi::Error DoneCpu(ffi::RemainingArgs, ffi::RemainingRets, int64_t /*site of the start*/) {
@@ -140,20 +147,23 @@ ffi::Error OrderAfter(ffi::RemainingArgs, ffi::RemainingRets) { return ffi::Erro
 ffi::Future AllGatherCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                          int64_t group_size, int64_t /*site*/) {
-  return RunCpu(OpKind::kAllGather, device, call, x, out->untyped_data(), out->size_bytes(),
+  return RunCpu(OpKind::kAllGather, device, call, x.untyped_data(), x.size_bytes(),
+                out->untyped_data(), out->size_bytes(),
                 groups, group_size, {});
 }
 ffi::Future AllToAllCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                         int64_t group_size, int64_t /*site*/) {
-  return RunCpu(OpKind::kAllToAll, device, call, x, out->untyped_data(), out->size_bytes(),
+  return RunCpu(OpKind::kAllToAll, device, call, x.untyped_data(), x.size_bytes(),
+                out->untyped_data(), out->size_bytes(),
                 groups, group_size, {});
 }
 ffi::Future PermuteCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                        int64_t group_size, ffi::Span<const int64_t> permute_dst,
                        int64_t /*site*/) {
-  return RunCpu(OpKind::kPermute, device, call, x, out->untyped_data(), out->size_bytes(),
+  return RunCpu(OpKind::kPermute, device, call, x.untyped_data(), x.size_bytes(),
+                out->untyped_data(), out->size_bytes(),
                 groups, group_size, permute_dst);
 }
 
@@ -180,6 +190,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kIntoStartCpu, IntoStartCpu,
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("offset")
                                   .Attr<ffi::Span<const int64_t>>("permute_dst")
+                                  .Attr<int64_t>("in_place")
                                   .Attr<int64_t>("stream")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCpu, AllToAllStartCpu,

@@ -101,7 +101,7 @@ ffi::Error PermuteCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
 //
 // Async streams: the lowering picks one per start (attribute `stream`, the same on every
 // rank, async_collectives.py says how); a start runs on that stream and uses its flag lane,
-// 1 + stream. With one stream, starts run one after another: a pipeline of many exchanges
+// 1 + stream (or -1: XLA's stream, lane 0). With one stream, starts run one after another: a pipeline of many exchanges
 // (the fused ops' pieces) can queue up behind each other there.
 
 struct AsyncState {
@@ -128,37 +128,46 @@ ffi::Error CudaFail(const char* what, cudaError_t e) {
                               cudaGetErrorString(e));
 }
 
+// in/in_bytes: the input (in_place: ignored, the input is my slot of the output, plan.h);
 // out_data/out_bytes: where the result goes (the whole output, or for the "into" variant the
-// rows [offset, offset + n * x rows) of a larger buffer).
-ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
-                     void* out_data, size_t out_bytes, ffi::Span<const int64_t> groups,
-                     int64_t group_size, ffi::Span<const int64_t> permute_dst,
-                     int64_t stream_index, int64_t site, bool peers_only,
-                     bool at_source_slot = false) {
+// rows [offset, offset + n * x rows) of a larger buffer). stream_index -1: no async stream,
+// the exchange runs on XLA's stream itself (lane 0) and done has nothing left to wait for
+// (the last exchange of a pipeline, which nothing can overlap: no event hops to pay).
+ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, const void* in,
+                     size_t in_bytes, void* out_data, size_t out_bytes,
+                     ffi::Span<const int64_t> groups, int64_t group_size,
+                     ffi::Span<const int64_t> permute_dst, int64_t stream_index, int64_t site,
+                     bool peers_only, bool at_source_slot = false, bool in_place = false) {
   HostTimer timer("start");
-  if (stream_index < 0 || stream_index >= kMaxAsyncLanes)
+  if (stream_index < -1 || stream_index >= kMaxAsyncLanes)
     return ffi::Error::InvalidArgument("jax_hoccl async: stream " + std::to_string(stream_index) +
                                        " out of range");
-  const int index = static_cast<int>(stream_index);
+  const bool on_xla_stream = stream_index < 0;
   AsyncState& a = AsyncStateFor(device);
   cudaError_t e;
-  cudaStream_t& stream = a.streams[index];
-  if (!a.fork && (e = cudaEventCreateWithFlags(&a.fork, cudaEventDisableTiming)) != cudaSuccess)
-    return CudaFail("cudaEventCreateWithFlags", e);
-  if (!stream && (e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)) != cudaSuccess)
-    return CudaFail("cudaStreamCreateWithFlags", e);
-  // The input and the output are XLA's as of this point of its stream.
-  if ((e = cudaEventRecord(a.fork, xla_stream)) != cudaSuccess) return CudaFail("cudaEventRecord", e);
-  if ((e = cudaStreamWaitEvent(stream, a.fork, 0)) != cudaSuccess)
-    return CudaFail("cudaStreamWaitEvent", e);
+  cudaStream_t stream = xla_stream;
+  if (!on_xla_stream) {
+    cudaStream_t& async = a.streams[stream_index];
+    if (!a.fork && (e = cudaEventCreateWithFlags(&a.fork, cudaEventDisableTiming)) != cudaSuccess)
+      return CudaFail("cudaEventCreateWithFlags", e);
+    if (!async && (e = cudaStreamCreateWithFlags(&async, cudaStreamNonBlocking)) != cudaSuccess)
+      return CudaFail("cudaStreamCreateWithFlags", e);
+    // The input and the output are XLA's as of this point of its stream.
+    if ((e = cudaEventRecord(a.fork, xla_stream)) != cudaSuccess) return CudaFail("cudaEventRecord", e);
+    if ((e = cudaStreamWaitEvent(async, a.fork, 0)) != cudaSuccess)
+      return CudaFail("cudaStreamWaitEvent", e);
+    stream = async;
+  }
   OpSpec spec;
   std::vector<int64_t> ids;
-  ffi::Error decoded = DecodeOp(op, device, x.size_bytes(), out_bytes, groups, group_size,
-                                permute_dst, peers_only, &spec, &ids, at_source_slot);
+  ffi::Error decoded = DecodeOp(op, device, in_bytes, out_bytes, groups, group_size,
+                                permute_dst, peers_only, &spec, &ids, at_source_slot, in_place);
   if (!decoded.success()) return decoded;
+  if (in_place) in = static_cast<const char*>(out_data) + spec.rank * in_bytes;
   if (spec.bytes > 0 && OutputBytes(spec) > 0) {
     Communicator& comm = CudaCommunicator(ids);
-    ExecStatus st = RunOnCuda(comm, spec, stream, x.untyped_data(), out_data, 1 + index);
+    const int lane = on_xla_stream ? 0 : 1 + static_cast<int>(stream_index);
+    ExecStatus st = RunOnCuda(comm, spec, stream, in, out_data, lane);
     if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
   }
   cudaEvent_t finished;
@@ -180,8 +189,9 @@ ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return out_or.error();
   ffi::Result<ffi::AnyBuffer> out = *out_or;
-  return StartCuda(OpKind::kAllGather, stream, device, x, out->untyped_data(), out->size_bytes(),
-                   groups, group_size, {}, stream_index, site, peers_only != 0);
+  return StartCuda(OpKind::kAllGather, stream, device, x.untyped_data(), x.size_bytes(),
+                   out->untyped_data(), out->size_bytes(), groups, group_size, {}, stream_index,
+                   site, peers_only != 0);
 }
 // all_gather (permute_dst empty), or a ppermute into the sender's slot, into rows of a larger
 // buffer: args (x[, dst]); when dst is given the output aliases it (set in the lowering),
@@ -189,17 +199,17 @@ ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffe
 ffi::Error IntoStartCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
                          ffi::RemainingRets rets,
                          ffi::Span<const int64_t> groups, int64_t group_size, int64_t offset,
-                         ffi::Span<const int64_t> permute_dst, int64_t stream_index,
-                         int64_t site) {
+                         ffi::Span<const int64_t> permute_dst, int64_t in_place,
+                         int64_t stream_index, int64_t site) {
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return out_or.error();
   ffi::Result<ffi::AnyBuffer> out = *out_or;
-  auto into = DecodeInto(args, *out, group_size, offset);
+  auto into = DecodeInto(args, *out, group_size, offset, in_place);
   if (into.has_error()) return into.error();
   const bool permute = permute_dst.size() > 0;
   return StartCuda(permute ? OpKind::kPermute : OpKind::kAllGather, stream, device, into->x,
-                   into->dst, into->bytes, groups, group_size, permute_dst, stream_index, site,
-                   false, permute);
+                   into->x_bytes, into->dst, into->bytes, groups, group_size, permute_dst,
+                   stream_index, site, false, permute, into->in_place);
 }
 ffi::Error AllToAllStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                              ffi::RemainingRets rets,
@@ -208,8 +218,9 @@ ffi::Error AllToAllStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return out_or.error();
   ffi::Result<ffi::AnyBuffer> out = *out_or;
-  return StartCuda(OpKind::kAllToAll, stream, device, x, out->untyped_data(), out->size_bytes(),
-                   groups, group_size, {}, stream_index, site, false);
+  return StartCuda(OpKind::kAllToAll, stream, device, x.untyped_data(), x.size_bytes(),
+                   out->untyped_data(), out->size_bytes(), groups, group_size, {}, stream_index,
+                   site, false);
 }
 ffi::Error PermuteStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                             ffi::RemainingRets rets,
@@ -219,8 +230,9 @@ ffi::Error PermuteStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return out_or.error();
   ffi::Result<ffi::AnyBuffer> out = *out_or;
-  return StartCuda(OpKind::kPermute, stream, device, x, out->untyped_data(), out->size_bytes(),
-                   groups, group_size, permute_dst, stream_index, site, false);
+  return StartCuda(OpKind::kPermute, stream, device, x.untyped_data(), x.size_bytes(),
+                   out->untyped_data(), out->size_bytes(), groups, group_size, permute_dst,
+                   stream_index, site, false);
 }
 
 ffi::Error DoneCuda(cudaStream_t xla_stream, int32_t device, ffi::RemainingArgs,
@@ -262,6 +274,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kIntoStartCuda, IntoStartCuda,
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("offset")
                                   .Attr<ffi::Span<const int64_t>>("permute_dst")
+                                  .Attr<int64_t>("in_place")
                                   .Attr<int64_t>("stream")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCuda, AllToAllStartCuda,

@@ -64,6 +64,10 @@ struct OpSpec {
   // the sender's slot; other slots are not written (a destination nobody sends to keeps its
   // bytes). One round of an all_to_all split by shift: the fused ops' pipelines (into_start).
   bool at_source_slot = false;
+  // all_gather only: my input already is my slot (rank * bytes) of the output, so nothing is
+  // copied for it; every peer's block lands in its own slot. matmul_psum's GEMMs write their
+  // summed pieces straight into the gather buffer, which is then gathered in place.
+  bool in_place = false;
 };
 
 // Validates the spec; returns an empty string or a message saying what is wrong.

@@ -48,6 +48,7 @@ std::string Describe(const OpSpec& s, const PlanOptions& o) {
                   " bytes=" + std::to_string(s.bytes) + " chunks=" + std::to_string(o.chunks) +
                   " channels=" + std::to_string(o.channels);
   if (s.peers_only) d += " peers_only";
+  if (s.in_place) d += " in_place";
   if (s.op == OpKind::kPermute) {
     d += " dst=[";
     for (int x : s.permute_dst) d += std::to_string(x) + ",";
@@ -113,6 +114,8 @@ void Simulate(OpSpec spec, const PlanOptions& opt, int order) {
     in[r].resize(spec.bytes);
     for (size_t i = 0; i < spec.bytes; ++i) in[r][i] = InputByte(r, i);
     out[r].assign(hoccl::OutputBytes(spec), 0xAB);  // garbage: every byte must be written
+    if (spec.in_place)  // except my own slot, which holds my input already
+      for (size_t i = 0; i < spec.bytes; ++i) out[r][r * spec.bytes + i] = InputByte(r, i);
   }
   // ready[owner][reader], done[reader][owner]: signals sent (counts, must end at <= 1).
   std::vector<std::vector<int>> ready(n, std::vector<int>(n, 0)), done = ready;
@@ -248,14 +251,15 @@ void CheckPlanShape(OpSpec spec, const PlanOptions& opt) {
       }
       if (s.kind == StepKind::kZero) zeroed += s.bytes;
     }
-    CHECK(!spec.peers_only || copies_per_peer[r] == 0, "%s: peers_only rank %d copies itself",
-          what.c_str(), r);
+    CHECK(!(spec.peers_only || spec.in_place) || copies_per_peer[r] == 0,
+          "%s: peers_only/in_place rank %d copies itself", what.c_str(), r);
     CHECK(spec.op == OpKind::kPermute || zeroed == 0, "%s: rank %d zero-fills", what.c_str(),
           r);
     // Into the source's slot: only the slot of a sender is written, nothing zero-filled.
     size_t senders = 0;
     for (int p = 0; p < n; ++p) senders += spec.op == OpKind::kPermute && spec.permute_dst[p] == r;
-    const size_t writes = spec.at_source_slot ? senders * spec.bytes : hoccl::OutputBytes(spec);
+    const size_t writes = spec.at_source_slot ? senders * spec.bytes
+                          : hoccl::OutputBytes(spec) - (spec.in_place ? spec.bytes : 0);
     CHECK(!spec.at_source_slot || zeroed == 0, "%s: rank %d zero-fills", what.c_str(), r);
     CHECK(copied + zeroed == writes, "%s: rank %d writes %zu of %zu bytes",
           what.c_str(), r, copied + zeroed, writes);
@@ -316,6 +320,14 @@ void TestValidate() {
   CHECK(hoccl::ValidateSpec(perm).empty(), "ppermute into the source's slot rejected");
   a2a.at_source_slot = true;
   CHECK(!hoccl::ValidateSpec(a2a).empty(), "at_source_slot all_to_all accepted");
+  OpSpec in_place{OpKind::kAllGather, 4, 0, 6, {}};
+  in_place.in_place = true;
+  CHECK(hoccl::ValidateSpec(in_place).empty() && hoccl::OutputBytes(in_place) == 24,
+        "in-place all_gather");
+  in_place.peers_only = true;
+  CHECK(!hoccl::ValidateSpec(in_place).empty(), "in-place peers_only all_gather accepted");
+  perm.in_place = true;
+  CHECK(!hoccl::ValidateSpec(perm).empty(), "in-place ppermute accepted");
   CHECK(std::string(hoccl::OpName(OpKind::kAllToAll)) == "all_to_all", "op name");
 }
 
@@ -326,6 +338,9 @@ void TestCollectives() {
       OpSpec peers{OpKind::kAllGather, n, 0, bytes, {}};
       peers.peers_only = true;
       RunAll(peers);
+      OpSpec in_place{OpKind::kAllGather, n, 0, bytes, {}};
+      in_place.in_place = true;  // my block already in my slot of the output
+      RunAll(in_place);
       RunAll(OpSpec{OpKind::kAllToAll, n, 0, bytes * n, {}});
     }
     // ppermute: shifts, the reverse, the identity, partial and empty permutations.

@@ -540,10 +540,11 @@ def test_all_gather_into_chain_matches_lax(dtype):
 
 @pytest.mark.parametrize("streams", [None, "2", "3"])
 def test_starts_spread_over_async_streams(streams, monkeypatch):
-  """JAX_HOCCL_ASYNC_STREAMS=s: matmul_psum's starts (ppermute and all_gather_into) carry
+  """JAX_HOCCL_ASYNC_STREAMS=s: matmul_psum's starts (ppermute and all_gather in place) carry
   stream = site % s in the lowered program, round-robin in program order (every rank lowers
-  the same program, so every rank picks the same stream; default one stream), and the values
-  stay jax.lax's. A value out of 1..4 fails when the program is lowered."""
+  the same program, so every rank picks the same stream; default one stream), but the last
+  gather, which runs on XLA's stream (-1); and the values stay jax.lax's. A value out of 1..4
+  fails when the program is lowered."""
   if streams:
     monkeypatch.setenv("JAX_HOCCL_ASYNC_STREAMS", streams)
   rng = np.random.default_rng(8)
@@ -554,7 +555,8 @@ def test_starts_spread_over_async_streams(streams, monkeypatch):
   text = jax.jit(f).lower(x, w).as_text()
   got = [int(v) for v in re.findall(r"stream = (\d+) : i64", text)]
   s = int(streams or 1)
-  assert len(got) == 4 * 7 + 4  # 7 ppermute steps and one gather per piece
+  assert len(got) == 4 * 7 + 3  # 7 ppermute steps and one gather per piece, but the last
+  assert len(re.findall(r"stream = -1 : i64", text)) == 1
   assert set(got) == set(range(s)) and all(v < s for v in got)
   ref = smap(MESH1, lambda x, w: jax.lax.psum(x @ w, "x"), False,
              in_specs=(P(None, "x"), P("x")), out_specs=P())
@@ -566,6 +568,47 @@ def test_starts_spread_over_async_streams(streams, monkeypatch):
            in_specs=(P(None, "x"), P("x")), out_specs=P())
   with pytest.raises(ValueError, match="JAX_HOCCL_ASYNC_STREAMS must be 1 to 4"):
     jax.jit(g).lower(x, w)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
+@pytest.mark.parametrize("batched", [False, True])
+def test_all_gather_in_place_chain_matches_lax(dtype, batched):
+  """matmul_psum's assembly: each rank writes its blocks into its slots of one buffer, then
+  gathers them in place (its own block not copied): rows [0, 8*2) by an async start, rows
+  [16, 16+8*1) by one on XLA's stream (sync), waited in matmul_psum's order. The buffer equals
+  the concatenation of jax.lax.all_gathers, also under vmap."""
+  from jax_hoccl._src.ops import async_collectives as ac
+  rng = np.random.default_rng(9)
+  lead = (2,) if batched else ()
+  a = put(MESH1, rand(rng, (*lead, 16, 3), dtype), P(*((None,) * len(lead)), "x"))
+  b = put(MESH1, rand(rng, (*lead, 8, 3), dtype), P(*((None,) * len(lead)), "x"))
+
+  def ours(a, b):
+    r = jax.lax.axis_index("x")
+    buf = jax.lax.dynamic_update_slice_in_dim(jnp.full((24, 3), 7, dtype), a, 2 * r, axis=0)
+    p1 = ac.all_gather_in_place_start(buf, "x", 0, 2, to="invariant")
+    buf = jax.lax.dynamic_update_slice_in_dim(p1.buffer, b, 16 + r, axis=0)
+    p2 = ac.all_gather_in_place_start(buf, "x", 16, 1, to="invariant", sync=True)
+    token = ac.wait_after(p1, p2.token)
+    return ac.done_after(p2, token)
+
+  def lax(a, b):
+    return jnp.concatenate([jax.lax.all_gather(a, "x", tiled=True),
+                            jax.lax.all_gather(b, "x", tiled=True)])
+
+  spec = P(*((None,) * len(lead)), "x")
+  wrap = (lambda f: jax.vmap(f)) if batched else (lambda f: f)
+  got = smap(MESH1, wrap(ours), True, in_specs=(spec, spec), out_specs=P())(a, b)
+  ref = smap(MESH1, wrap(lax), False, in_specs=(spec, spec), out_specs=P())(a, b)
+  np.testing.assert_array_equal(to_np(got), to_np(ref))
+
+
+def test_all_gather_in_place_rows_must_fit():
+  from jax_hoccl._src.ops import async_collectives as ac
+  f = smap(MESH1, lambda a: ac.all_gather_in_place_start(a, "x", 8, 2).buffer, True,
+           in_specs=P("x"), out_specs=P("x"))
+  with pytest.raises(ValueError, match=r"rows \[8, 24\) do not fit into \(20, 3\)"):
+    jax.jit(f).lower(sds((8 * 20, 3)))
 
 
 def test_all_gather_into_rows_must_fit():

@@ -1,7 +1,10 @@
 """matmul_psum(x, w, axis) == psum(x @ w, axis): a reduce-scatter around the ring, the sums
-added to the GEMMs' results (ring.py), then each summed piece all-gathered by the copy
-engines straight into its rows of the output (`all_gather_into_start`: no concatenate) while
-the SMs multiply the next pieces. Only the last piece's all-gather is exposed.
+added to the GEMMs' results (ring.py), each summed piece written by its GEMM straight into
+its rank's slot of the output, then all-gathered in place by the copy engines
+(`all_gather_in_place_start`: no copy of my own piece, no concatenate) while the SMs multiply
+the next pieces. Only the last piece's all-gather is exposed; it runs on XLA's stream, with
+no hops between streams. (With XLA's dots, f32 or JAX_HOCCL_CUBLASLT=0, each summed piece is
+an array of its own, gathered into the output by `all_gather_into_start`.)
 
 Rows are laid out so that a piece's all-gather is contiguous in the output: piece p of rank
 b's block is rows [n * O_p + b * r_p, n * O_p + (b + 1) * r_p), O_p being the rows of the
@@ -18,6 +21,7 @@ import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src.fused import ring
+from jax_hoccl._src.fused.rows_matmul import runs_on_cublaslt
 from jax_hoccl._src.ops import async_collectives as ac
 from jax_hoccl._src.ops import common
 
@@ -40,18 +44,33 @@ def multiply_and_sum(x, w, axes, n, chunks):
   if chunks is None and len(pieces) == 1:
     return _one_shot_psum(x, w, axes)
   starts = np.concatenate([[0], np.cumsum(pieces)[:-1]]) * n
-  x2 = x.reshape(-1, x.shape[-1])
+  last = len(pieces) - 1
+  # Where the GEMMs are our cuBLASLt calls, each writes its summed piece straight into its
+  # rank's slot of the output, gathered in place (no copy of my own piece). XLA's dot (the
+  # fallback) writes a piece of its own, gathered into the output: XLA may copy a buffer that a
+  # dynamic_update_slice writes into, and the copies in flight would land in the dropped one.
+  in_place = runs_on_cublaslt(x.dtype, *w.shape)
   gathers = []
 
-  def gather(p, summed, ov):
-    into = gathers[-1].buffer if gathers else (m * inner, w.shape[1])
-    gathers.append(ov.start(ac.all_gather_into_start(summed, axes, into, int(starts[p]) * inner,
-                                                     to="invariant")))
+  def gather(p, out, ov):
+    # the last exchange runs on XLA's stream: nothing is left to overlap it with
+    row0, rows = int(starts[p]) * inner, pieces[p] * inner
+    if in_place:
+      pending = ac.all_gather_in_place_start(out, axes, row0, rows, to="invariant",
+                                             sync=p == last)
+    else:
+      into = gathers[-1].buffer if gathers else (m * inner, w.shape[1])
+      pending = ac.all_gather_into_start(out, axes, into, row0, to="invariant", sync=p == last)
+    gathers.append(ov.start(pending))
+    return pending.buffer if in_place else None
 
-  # piece p of block b: x rows [n * O_p + b * r_p, ...) (times `inner` rows of x2)
+  # piece p of block b: x rows [n * O_p + b * r_p, ...) (times `inner` rows of x2), and the
+  # same rows of the output
   _, ov = ring.reduce_scatter_ring(
-      x2, w, axes, n, [r * inner for r in pieces],
-      lambda p: (pieces[p] * inner, int(starts[p]) * inner), on_sum=gather)
+      x.reshape(-1, x.shape[-1]), w, axes, n, [r * inner for r in pieces],
+      lambda p: (pieces[p] * inner, int(starts[p]) * inner),
+      lambda p: ((m * inner, int(starts[p]) * inner, pieces[p] * inner) if in_place
+                 else (pieces[p] * inner, 0, 0)), on_sum=gather)
   for g in gathers[:-1]:
     ov.wait(g)
   return ov.done(gathers[-1]).reshape(*x.shape[:-1], w.shape[1])

@@ -44,7 +44,8 @@ def _ring(x, w, axes, n, chunks):
   starts = np.concatenate([[0], np.cumsum(pieces)[:-1]])
   out, _ = ring.reduce_scatter_ring(
       x.reshape(-1, x.shape[-1]), w, axes, n, [r * inner for r in pieces],
-      lambda p: (rows * inner, int(starts[p]) * inner), final_rows=rows * inner)
+      lambda p: (rows * inner, int(starts[p]) * inner),
+      lambda p: (rows * inner, int(starts[p]) * inner, 0))
   return out.reshape(rows, *x.shape[1:-1], w.shape[1])
 
 

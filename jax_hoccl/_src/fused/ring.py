@@ -94,7 +94,11 @@ class Overlap:
     return result
 
   def start(self, pending: ac.Pending) -> ac.Pending:
-    self.token = pending.token
+    """Records a start that sends the latest GEMM's result: its token follows that GEMM, so
+    the next done or wait needs only the token. (Also taking the result would make XLA copy
+    it when the start donates it, as an in-place gather does; and the async copies would then
+    write into the buffer XLA dropped.)"""
+    self.token, self.last = pending.token, None
     return pending
 
   def _wait_after(self) -> tuple:
@@ -111,33 +115,33 @@ class Overlap:
 
 
 def reduce_scatter_ring(x, w, axes, n: int, pieces: Sequence[int], layout: Callable,
-                        on_sum: Callable | None = None, final_rows: int | None = None):
-  """My block of x @ w summed over the ranks, in pieces.
+                        out_layout: Callable, on_sum: Callable | None = None):
+  """My block of x @ w summed over the ranks, in pieces. Returns the array the last summed
+  piece was written into, and the Overlap (for what follows).
 
   x is 2-D [M, K]. layout(p) -> (block_rows, piece_row0): piece p (pieces[p] rows) of block b
-  starts at x's row b * block_rows + piece_row0. With final_rows, the summed pieces are written
-  in place into one [final_rows, N] array, piece p at rows [O_p, O_p + pieces[p]) (returned);
-  else each is its own array, passed to on_sum(p, summed, overlap) as it is ready (to start
-  sending it) and returned in a list. Also returns the Overlap (for what follows)."""
+  starts at x's row b * block_rows + piece_row0. out_layout(p) -> (out_rows, row0, slot_rows):
+  my summed piece p goes to rows row0 + rank * slot_rows (slot_rows 0: the same rows on every
+  rank) of an [out_rows, N] array, the one the previous piece went into (written in place),
+  or a new one for the first piece. on_sum(p, out, overlap), if given, runs as each summed
+  piece is written (to start sending it) and returns the array the next piece goes into
+  (None: a new one)."""
   ov = Overlap()
   to_next = [(i, (i + 1) % n) for i in range(n)]
-  offsets = [sum(pieces[:p]) for p in range(len(pieces))]
-  in_flight, mine, out = {}, [], None
+  in_flight, out = {}, None
   for s in range(n):
     for p, rows in enumerate(pieces):
       block_rows, piece_row0 = layout(p)
       received = ov.done(in_flight.pop(p)) if s > 0 else None  # added in the GEMM's epilogue
       args = dict(shift=n - s - 1, block_rows=block_rows, piece_row0=piece_row0, rows=rows,
-                  c=received)
-      if s == n - 1 and final_rows is not None:
-        out = ov.computed(rows_matmul(ov.inputs(x), w, axes, n, into=out, out_rows=final_rows,
-                                      out_row0=offsets[p], after=ov.gemm_after(), **args))
-        continue
-      part = ov.computed(rows_matmul(ov.inputs(x), w, axes, n, after=ov.gemm_after(), **args))
+                  c=received, after=ov.gemm_after())
       if s < n - 1:
+        part = ov.computed(rows_matmul(ov.inputs(x), w, axes, n, **args))
         in_flight[p] = ov.start(ac.ppermute_start(part, axes, to_next, order_input=False))
-      else:
-        mine.append(part)
-        if on_sum is not None:
-          on_sum(p, part, ov)
-  return (out if final_rows is not None else mine), ov
+        continue
+      out_rows, row0, slot_rows = out_layout(p)
+      out = ov.computed(rows_matmul(ov.inputs(x), w, axes, n, into=out, out_rows=out_rows,
+                                    out_row0=row0, out_block_rows=slot_rows, **args))
+      if on_sum is not None:
+        out = on_sum(p, out, ov)
+  return out, ov

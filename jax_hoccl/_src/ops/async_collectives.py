@@ -99,32 +99,44 @@ def _start_lowering(ctx, x, *, op, axes, axis_size, perm, peers_only, invariant,
 
 # all_gather (perm empty), or a ppermute into the sender's slot, into rows of a larger buffer
 # (operands x[, dst]; the output aliases dst). Its callers (the fused ops) order compute by the
-# token, so it has no output 2 (x aliased) like start_p's.
+# token, so it has no output 2 (x aliased) like start_p's. in_place_rows > 0: an all_gather in
+# place, the only operand the buffer, in which every rank already wrote its block (that many
+# rows) into its slot. sync: the exchange runs on XLA's stream, not an async one (cuda: stream
+# attribute -1), for a pipeline's last exchange, which has nothing to overlap.
 into_start_p = ji.Primitive("hoccl_into_start")
 into_start_p.multiple_results = True
 
 
-def _into_abstract_eval(x, *dst, axes, axis_size, shape, row, invariant, site, perm):
+def _into_abstract_eval(x, *dst, axes, axis_size, shape, row, invariant, site, perm,
+                        in_place_rows, sync):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl {'ppermute' if perm else 'all_gather'}_into_start: input must "
                      f"be varying over {axes}, got {set(vma)}")
-  out = dst[0] if dst else ji.with_type(x, shape, vma - set(axes) if invariant else vma)
+  if dst:
+    out = dst[0]
+  else:
+    out = ji.with_type(x, shape, vma - set(axes) if invariant else vma)
   token = ji.with_type(x, (), vma).update(dtype=np.dtype(np.int32), weak_type=False)
   return [out, token]
 
 
-def _into_lowering(ctx, x, *dst, axes, axis_size, shape, row, invariant, site, perm):
+def _into_lowering(ctx, x, *dst, axes, axis_size, shape, row, invariant, site, perm,
+                   in_place_rows, sync):
   op = "ppermute_into" if perm else "all_gather_into"
   attrs = _start_attrs(ctx, axes, op, site)
+  if sync:
+    attrs["stream"] = np.int64(-1)
   row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(ctx.avals_in[0].dtype).itemsize
   attrs["offset"] = np.int64(row * row_bytes)
+  aliases = {0: 0} if in_place_rows else {1: 0} if dst else None
   return ffi_lower("hoccl_into_start", op, ctx, x, *dst, **attrs,
                    permute_dst=_permute_dst(perm, axis_size if perm else 0),  # empty: gather
-                   lowering_args=dict(operand_output_aliases={1: 0}) if dst else None)
+                   in_place=np.int64(in_place_rows * row_bytes),
+                   lowering_args=dict(operand_output_aliases=aliases) if aliases else None)
 
 
-def _into_batch(args, dims, *, shape, **params):
+def _into_batch(args, dims, *, shape, in_place_rows, **params):
   # Rows stay the leading axis and the batch goes right behind it: rows [row, ...) of a
   # [total, batch, ...] buffer are still one contiguous range.
   x, *dst = args
@@ -136,7 +148,8 @@ def _into_batch(args, dims, *, shape, **params):
     buf = (jnp.broadcast_to(buf[:, None], (buf.shape[0], size, *buf.shape[1:])) if bd is None
            else jnp.moveaxis(buf, bd, 1))
     dst = [buf]
-  out, token = into_start_p.bind(x, *dst, shape=(shape[0], size, *shape[1:]), **params)
+  out, token = into_start_p.bind(x, *dst, shape=(shape[0], size, *shape[1:]),
+                                 in_place_rows=in_place_rows, **params)
   return [out, token], [1, ji.not_mapped]
 
 
@@ -320,20 +333,23 @@ def _into_target(into):
   return (into,), into.shape
 
 
-def _into_start(x, dst, axes, n, **params):
+def _into_start(x, dst, axes, n, *, in_place_rows=0, sync=False, **params):
   x = common.ensure_varying(x, axes)
   site = axes_lib.new_site()
-  outs = into_start_p.bind(x, *dst, axes=tuple(axes), axis_size=int(n), site=site, **params)
+  outs = into_start_p.bind(x, *dst, axes=tuple(axes), axis_size=int(n), site=site,
+                           in_place_rows=int(in_place_rows), sync=bool(sync), **params)
+  if in_place_rows:  # nothing to keep alive for the peers but the buffer, which goes to done
+    return Pending(outs[0], outs[1], outs[1], site, lambda b: b)
   return _pending(outs, x, site)
 
 
-def all_gather_into_start(x, axis_name, into, row, *, to="varying"):
+def all_gather_into_start(x, axis_name, into, row, *, to="varying", sync=False):
   """Starts all_gather(x, axis_name, tiled=True) written into rows [row, row + n * len(x))
   of a larger buffer. `into` is either an array of x's dtype and trailing shape, donated
   (done returns it, those rows filled), or a shape: a new buffer whose other rows stay
   uninitialised for later calls of the chain to fill. Fused ops assemble their output so,
   with no concatenate. `to` is the new buffer's type over the axes ("invariant": the same
-  on every rank, as when the chain covers every row)."""
+  on every rank, as when the chain covers every row). sync: as all_gather_in_place_start's."""
   axes, n = axes_lib.check_axes(axis_name, "all_gather_into_start")
   x = jnp.asarray(x)
   axes_lib.check_dtype(x, "all_gather_into_start")
@@ -346,7 +362,24 @@ def all_gather_into_start(x, axis_name, into, row, *, to="varying"):
                      f"of {x.dtype}{list(x.shape[1:])} do not fit into {shape}"
                      + (f" {into.dtype}" if dst else ""))
   return _into_start(x, dst, axes, n, shape=shape, row=int(row), invariant=(to != "varying"),
-                     perm=())
+                     perm=(), sync=sync)
+
+
+def all_gather_in_place_start(buf, axis_name, row, rows, *, to="varying", sync=False):
+  """Starts the all_gather of blocks every rank already wrote into its slot of `buf`
+  (donated): rank r's `rows` rows at [row + r * rows, row + (r + 1) * rows). done returns buf
+  with rows [row, row + n * rows) holding every rank's block; my own block is not copied.
+  matmul_psum's GEMMs write their summed pieces so. sync=True runs the exchange on XLA's
+  stream rather than an async one, for a pipeline's last exchange (nothing left to overlap):
+  it saves the hops between streams, and done is then free."""
+  axes, n = axes_lib.check_axes(axis_name, "all_gather_in_place_start")
+  buf = jnp.asarray(buf)
+  axes_lib.check_dtype(buf, "all_gather_in_place_start")
+  if buf.ndim == 0 or rows < 1 or not 0 <= row <= buf.shape[0] - n * rows:
+    raise ValueError(f"jax_hoccl.all_gather_in_place_start: rows [{row}, {row + n * rows}) do "
+                     f"not fit into {buf.shape}")
+  return _into_start(buf, (), axes, n, shape=buf.shape, row=int(row),
+                     invariant=(to != "varying"), perm=(), in_place_rows=rows, sync=sync)
 
 
 def ppermute_into_start(x, axis_name, perm, into):
