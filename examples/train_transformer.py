@@ -18,6 +18,9 @@ may differ in the last bit, and the cosine learning-rate decay keeps that from g
   * --fused swaps the two tp call sites for jax_hoccl.all_gather_matmul /
     jax_hoccl.matmul_reduce_scatter (exchanges hidden behind the matmuls) and prints the
     step times of both runs.
+  * --bf16 runs those matmuls (and what the tp collectives move) in bfloat16, parameters,
+    norms, softmax and the optimizer staying float32 (mixed precision, how large models
+    train). The two runs then round differently, so they are compared at rtol 2e-2.
 
 The task: next-token prediction on arithmetic sequences x[t+1] = (x[t] + k) mod V, with a
 random start and a random stride k in 1..6 per sequence (fixed-seed generator). The stride is
@@ -140,20 +143,21 @@ class TPMatmuls(NamedTuple):
   matmul_rs: Callable  # x [s*b, n/tp], w [n/tp, d] -> [s/tp*b, d] (summed, sequence shard)
 
 
-def tp_matmuls(C, fused: bool = False) -> TPMatmuls:
+def tp_matmuls(C, fused: bool = False, dtype=jnp.float32) -> TPMatmuls:
   """The only places a layer talks to the other 'tp' ranks. With fused=True (jax_hoccl
-  only) the exchanges hide behind the matmuls: all_gather_matmul / matmul_reduce_scatter."""
+  only) the exchanges hide behind the matmuls: all_gather_matmul / matmul_reduce_scatter.
+  Inputs are cast to `dtype` (bfloat16 with --bf16) and results back to float32."""
   if fused:
-    return TPMatmuls(lambda x, w: jax_hoccl.all_gather_matmul(x, w, TP),
-                     lambda x, w: jax_hoccl.matmul_reduce_scatter(x, w, TP))
+    ag, rs = (lambda x, w: jax_hoccl.all_gather_matmul(x, w, TP),
+              lambda x, w: jax_hoccl.matmul_reduce_scatter(x, w, TP))
+  else:
+    ag = lambda x, w: C.all_gather(x, TP, axis=0, tiled=True) @ w  # noqa: E731
+    rs = lambda x, w: C.psum_scatter(x @ w, TP, scatter_dimension=0, tiled=True)  # noqa: E731
 
-  def ag_matmul(x, w):
-    return C.all_gather(x, TP, axis=0, tiled=True) @ w
+  def cast(f):
+    return lambda x, w: f(x.astype(dtype), w.astype(dtype)).astype(jnp.float32)
 
-  def matmul_rs(x, w):
-    return C.psum_scatter(x @ w, TP, scatter_dimension=0, tiled=True)
-
-  return TPMatmuls(ag_matmul, matmul_rs)
+  return TPMatmuls(cast(ag), cast(rs))
 
 
 def rms_norm(x, scale):
@@ -226,8 +230,8 @@ def replicated_axes(spec: P, mesh) -> tuple:
   return tuple(a for a in mesh.axis_names if a not in used)
 
 
-def make_train_step(C, cfg: Config, mesh, specs, fused: bool = False):
-  mm = tp_matmuls(C, fused)
+def make_train_step(C, cfg: Config, mesh, specs, fused: bool = False, dtype=jnp.float32):
+  mm = tp_matmuls(C, fused, dtype)
   is_spec = lambda s: isinstance(s, P)  # noqa: E731
   sync_axes = jax.tree.map(lambda s: replicated_axes(s, mesh), specs, is_leaf=is_spec)
   opt_specs = {"m": specs, "v": specs, "count": P()}
@@ -265,7 +269,8 @@ def progress(step: int, steps: int, loss: float, ms: float | None, width: int = 
     print(line, flush=True)
 
 
-def train(impl: str, cfg: Config, mesh, batches: np.ndarray, seed: int, fused: bool = False):
+def train(impl: str, cfg: Config, mesh, batches: np.ndarray, seed: int, fused: bool = False,
+          dtype=jnp.float32):
   """Returns (losses [steps], final params as numpy, mean step time in ms)."""
   C = jax_hoccl if impl == "hoccl" else jax.lax
   fused = fused and impl == "hoccl"
@@ -276,7 +281,7 @@ def train(impl: str, cfg: Config, mesh, batches: np.ndarray, seed: int, fused: b
   params = shard(init_params(cfg, jax.random.key(seed)), specs)
   opt_state = shard(adam_init(params), {"m": specs, "v": specs, "count": P()})
   data_sharding = NamedSharding(mesh, P(TP, DP))
-  train_step = make_train_step(C, cfg, mesh, specs, fused)
+  train_step = make_train_step(C, cfg, mesh, specs, fused, dtype)
 
   print(f"[{impl}{' fused' if fused else ''}] training {len(batches)} steps")
   losses, times = [], []
@@ -332,8 +337,10 @@ def parse_args(argv=None):
                   help="hoccl: use all_gather_matmul / matmul_reduce_scatter in the layers")
   ap.add_argument("--size", choices=("small", "large"), default="small",
                   help="model size: small (CPU, default) or large (d_model 1024, seq 1024)")
+  ap.add_argument("--bf16", action="store_true",
+                  help="tp matmuls and their collectives in bfloat16 (mixed precision)")
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--rtol", type=float, default=1e-4)
+  ap.add_argument("--rtol", type=float, help="run comparison tolerance (1e-4; 2e-2 with --bf16)")
   return ap.parse_args(argv)
 
 
@@ -360,7 +367,9 @@ def main(argv=None) -> int:
 
   batches = make_batches(cfg, args.steps, args.seed)
   impls = [args.impl] + ([{"hoccl": "lax", "lax": "hoccl"}[args.impl]] if args.check else [])
-  runs = {impl: train(impl, cfg, mesh, batches, args.seed, fused=args.fused) for impl in impls}
+  dtype = jnp.bfloat16 if args.bf16 else jnp.float32
+  runs = {impl: train(impl, cfg, mesh, batches, args.seed, fused=args.fused, dtype=dtype)
+          for impl in impls}
 
   ok = True
   for impl, (losses, _, ms) in runs.items():
@@ -372,7 +381,8 @@ def main(argv=None) -> int:
           f"{'learned' if learned else f'DID NOT LEARN (needs < {target:.3f})'}")
     ok &= learned
   if args.check:
-    match = compare(impls[0], runs[impls[0]], impls[1], runs[impls[1]], args.rtol)
+    rtol = args.rtol if args.rtol is not None else (2e-2 if args.bf16 else 1e-4)
+    match = compare(impls[0], runs[impls[0]], impls[1], runs[impls[1]], rtol)
     print("MATCH" if match else "MISMATCH")
     ok &= match
     hoccl_ms, lax_ms = runs["hoccl"][2], runs["lax"][2]

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-import jax
-
 from jax_hoccl._src.fused.rows_matmul import rows_matmul
 from jax_hoccl._src.ops import async_collectives as ac
 
@@ -74,16 +72,6 @@ class Overlap:
     self.token = None
     self.last = None
 
-  def inputs(self, tree):
-    """`tree` through an optimization barrier with the token, for GEMMs that are XLA's own
-    ops (rows_matmul's fallback: f32, JAX_HOCCL_CUBLASLT=0, CPU). It does not order them on
-    GPU (see above), but without it that fallback gave wrong values on 2x H200 with uneven
-    pieces (test_matmul_psum_ring_on_gpu; cause not found), so it stays."""
-    if self.token is None:
-      return tree
-    tree, _ = jax.lax.optimization_barrier((tree, self.token))
-    return tree
-
   def gemm_after(self) -> tuple:
     """What the next GEMM must follow (its `after` operands)."""
     return () if self.token is None else (self.token,)
@@ -136,11 +124,11 @@ def reduce_scatter_ring(x, w, axes, n: int, pieces: Sequence[int], layout: Calla
       args = dict(shift=n - s - 1, block_rows=block_rows, piece_row0=piece_row0, rows=rows,
                   c=received, after=ov.gemm_after())
       if s < n - 1:
-        part = ov.computed(rows_matmul(ov.inputs(x), w, axes, n, **args))
+        part = ov.computed(rows_matmul(x, w, axes, n, **args))
         in_flight[p] = ov.start(ac.ppermute_start(part, axes, to_next, order_input=False))
         continue
       out_rows, row0, slot_rows = out_layout(p)
-      out = ov.computed(rows_matmul(ov.inputs(x), w, axes, n, into=out, out_rows=out_rows,
+      out = ov.computed(rows_matmul(x, w, axes, n, into=out, out_rows=out_rows,
                                     out_row0=row0, out_block_rows=slot_rows, **args))
       if on_sum is not None:
         out = on_sum(p, out, ov)
