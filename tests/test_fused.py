@@ -416,7 +416,8 @@ def test_lowers_to_hoccl_only(case, check_vma):
 def test_ring_structure(chunks, cublaslt, monkeypatch):
   """matmul_psum's program, lowered for CPU and (cross-platform, no GPU needed) for CUDA:
   (n-1) ppermute starts and n GEMMs per piece, every add taking a dot's result, the output
-  assembled by all_gather_into (no concatenate). By default every CUDA GEMM is a
+  assembled by gathers into it (in place for cuBLASLt GEMMs, the last one on XLA's stream;
+  no concatenate). By default every CUDA GEMM is a
   hoccl_rows_matmul (x's rows read in place, the received partial added in the epilogue) and
   no dynamic_slice, dot or add is left; with JAX_HOCCL_CUBLASLT=0 they are XLA's. Values
   equal jax.lax."""
@@ -438,8 +439,15 @@ def test_ring_structure(chunks, cublaslt, monkeypatch):
   add = r"= stablehlo.add (%[\w#]+), (%[\w#]+) : tensor<\d+x8xbf16>"
   for text in (cpu, cuda):
     assert text.count("@hoccl_ppermute_start(") == pieces * (n - 1)
-    assert text.count("@hoccl_into_start(") == pieces
+    gathers = [l for l in text.splitlines() if "@hoccl_into_start(" in l]
+    assert len(gathers) == pieces
     assert "stablehlo.concatenate" not in text
+    # cuBLASLt GEMMs write their pieces into the output, gathered in place (in_place = the
+    # piece's bytes); XLA's dots gather separate pieces into it; the last gather runs on
+    # XLA's stream (stream -1) either way
+    in_place = [int(re.search(r"in_place = (\d+)", l).group(1)) for l in gathers]
+    assert all(in_place) if cublaslt else not any(in_place), in_place
+    assert ["stream = -1 " in l for l in gathers] == [False] * (pieces - 1) + [True]
   for text in (cpu,) if cublaslt else (cpu, cuda):
     dots = set(re.findall(r"(%[\w#]+) = stablehlo.dot_general", text))
     adds = re.findall(add, text)
