@@ -589,6 +589,61 @@ def test_fused_under_vmap(op):
   assert_close(run(ours), run(lax), f32, name=op)
 
 
+@pytest.mark.parametrize("w_batched", [False, True])
+def test_matmul_psum_vmap_keeps_the_pipeline(w_batched):
+  """vmap(matmul_psum) in bf16 runs the batch as more rows of one pipeline (a weight per
+  example: one pipeline per example): lowered for CUDA its GEMMs stay rows_matmul calls
+  writing into the in-place gathers' buffer, with no XLA dot or dynamic_update_slice on it;
+  values equal jax.lax's."""
+  mesh = MESHES["tp4"]
+  n, B = mesh.shape["tp"], 3
+  rng = np.random.default_rng(12)
+  bf16 = jnp.bfloat16
+  x = put(mesh, rand(rng, (B, n * 4, n * 8), bf16), P(None, None, "tp"))
+  w = put(mesh, rand(rng, (B, n * 8, 8) if w_batched else (n * 8, 8), bf16),
+          P(None, "tp", None) if w_batched else P("tp", None))
+  specs = (x.sharding.spec, w.sharding.spec)
+  axes = (0, 0 if w_batched else None)
+  sm = lambda f: jax.jit(jax.shard_map(jax.vmap(f, in_axes=axes), mesh=mesh,  # noqa: E731
+                                       in_specs=specs, out_specs=P()))
+  ours = sm(lambda x, w: hc.matmul_psum(x, w, "tp", chunks=2))
+  lax = sm(lambda x, w: jax.lax.psum(x @ w, "tp"))
+  if hc.with_cuda:
+    cuda = ours.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    calls = B if w_batched else 1
+    assert cuda.count("@hoccl_rows_matmul(") == calls * 2 * n
+    for op in ("dot_general", "dynamic_update_slice"):
+      assert f"stablehlo.{op}" not in cuda, op
+  assert_close(ours(x, w), lax(x, w), bf16, name="vmap(matmul_psum)")
+
+
+@pytest.mark.parametrize("experts", [None, 2])
+def test_matmul_all_to_all_vmap_keeps_the_pipeline(experts):
+  """vmap(matmul_all_to_all) in bf16 runs the batch as more rows of one pipeline (behind the
+  blocks' axis, or among each expert's tokens): lowered for CUDA, n rows_matmul calls and no
+  XLA dot or dynamic_update_slice on the buffer the received blocks land in; values equal
+  jax.lax's."""
+  mesh = MESHES["tp4"]
+  n, B = mesh.shape["tp"], 3
+  rng = np.random.default_rng(13)
+  e = experts or 1
+  xs = (B, n * n, e, 4, 16) if experts else (B, n * n, 4, 16)
+  x = put(mesh, rand(rng, xs, jnp.bfloat16), P(None, "tp"))
+  w = put(mesh, rand(rng, (n * e, 16, 8) if experts else (16, 8), jnp.bfloat16),
+          P("tp") if experts else P())
+  specs = (x.sharding.spec, w.sharding.spec)
+  sm = lambda f: jax.jit(jax.shard_map(jax.vmap(f, in_axes=(0, None)), mesh=mesh,  # noqa: E731
+                                       in_specs=specs, out_specs=P(None, "tp")))
+  ours = sm(lambda x, w: hc.matmul_all_to_all(x, w, "tp"))
+  lax = sm(lambda x, w: jax.lax.all_to_all(jnp.matmul(x, w), "tp", 0, 0, tiled=True))
+  if hc.with_cuda:
+    cuda = ours.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert cuda.count("@hoccl_rows_matmul(") == n
+    for op in ("dot_general", "dynamic_update_slice"):
+      assert f"stablehlo.{op}" not in cuda, op
+  assert_close(ours(x, w), lax(x, w), jnp.bfloat16, name="vmap(matmul_all_to_all)")
+
+
 def test_all_gather_matmul_structure():
   """all_gather_matmul's program (bf16), lowered for CPU and, cross-platform, for CUDA: one
   peers-only all_gather start and its done; on CUDA n rows_matmul GEMMs, each writing its rows

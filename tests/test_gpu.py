@@ -278,6 +278,30 @@ def test_async_pair_compute_between_start_and_done_on_gpu(mesh):
   assert np.abs(y - ref).max() <= 2e-2 * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("op", ["matmul_psum", "matmul_all_to_all", "matmul_all_to_all experts"])
+def test_fused_under_vmap_on_gpu(mesh, op):
+  """vmap of the fused ops whose async copies fill a buffer the GEMMs also write (matmul_psum's
+  in-place gathers, matmul_all_to_all's received blocks), bf16, against jax.lax: the batch
+  runs as more rows of one pipeline, whose GEMMs stay cuBLASLt calls."""
+  n, B = len(GPUS), 3
+  if op == "matmul_psum":
+    x, w = _rand((B, 512, 64 * n), jnp.bfloat16, 51), _rand((64 * n, 256), jnp.bfloat16, 52)
+    in_specs, out_spec = (P(None, None, "x"), P("x")), P()
+    ours = lambda x, w: jax_hoccl.matmul_psum(x, w, "x", chunks=2)  # noqa: E731
+    ref = lambda x, w: jax.lax.psum(x @ w, "x")  # noqa: E731
+  else:
+    e = 3 if "experts" in op else None
+    x = _rand((B, n * n, *((e,) if e else ()), 64, 32), jnp.bfloat16, 53)
+    w = _rand((n * e, 32, 48) if e else (32, 48), jnp.bfloat16, 54)
+    in_specs, out_spec = (P(None, "x"), P("x") if e else P()), P(None, "x")
+    ours = lambda x, w: jax_hoccl.matmul_all_to_all(x, w, "x")  # noqa: E731
+    ref = lambda x, w: jax.lax.all_to_all(jnp.matmul(x, w), "x", 0, 0, tiled=True)  # noqa: E731
+  vm = lambda f: jax.vmap(f, in_axes=(0, None))  # noqa: E731
+  compiled, args = _matches_lax(mesh, vm(ours), vm(ref), (x, w), in_specs, out_spec)
+  text = compiled.lower(*args).compile().as_text()
+  assert "hoccl_rows_matmul" in text and " dot(" not in text
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("experts", [None, 3])
 def test_matmul_all_to_all_blocks_on_gpu(mesh, dtype, experts):

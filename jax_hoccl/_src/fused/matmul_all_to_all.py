@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.fused import pipeline
+from jax_hoccl._src.fused.batch_as_rows import batch_as_rows
 from jax_hoccl._src.fused.rows_matmul import rows_matmul
 from jax_hoccl._src.ops import common
 from jax_hoccl._src.ops.all_to_all import all_to_all
@@ -70,7 +71,12 @@ def vary_alike(*arrays):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _mma2a(x, w, axis_name):
   axes, n = axes_lib.check_axes(axis_name, "matmul_all_to_all")
-  return _multiply_all_to_all(x, w, axes, n)
+  # vmapped: the batch behind the blocks' leading axis, or among each expert's tokens (other
+  # broadcasts of w would change meaning with an axis more: one call per example)
+  per_expert = w.ndim == 3 and _gemm_rows(x, w) is not None
+  axis = 1 if w.ndim == 2 else 2 if per_expert else None
+  return batch_as_rows(lambda x, w: _multiply_all_to_all(x, w, axes, n), x, w, axis=axis,
+                       merge=per_expert)
 
 
 def _mma2a_fwd(x, w, axis_name):

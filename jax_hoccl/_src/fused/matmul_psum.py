@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src.fused import ring
+from jax_hoccl._src.fused.batch_as_rows import batch_as_rows
 from jax_hoccl._src.fused.rows_matmul import runs_on_cublaslt
 from jax_hoccl._src.ops import async_collectives as ac
 from jax_hoccl._src.ops import common
@@ -79,7 +80,7 @@ def multiply_and_sum(x, w, axes, n, chunks):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _mmps(x, w, axis_name, chunks):
   axes, n = axes_lib.check_axes(axis_name, "matmul_psum")
-  return multiply_and_sum(x, w, axes, n, chunks)
+  return batch_as_rows(lambda x, w: multiply_and_sum(x, w, axes, n, chunks), x, w)
 
 
 def _mmps_fwd(x, w, axis_name, chunks):
