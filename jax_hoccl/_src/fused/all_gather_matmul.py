@@ -7,7 +7,9 @@ behind an optimization barrier, XLA moved it above the start on GPU: the copies 
 for that GEMM, and the op took 1.28-1.35x the GEMM (2x H200, device timeline in
 benchmarks/probe_fused.py). So where rows_matmul runs on cuBLASLt (bf16/f16) that GEMM is one
 that takes the start's token as an operand; elsewhere XLA's dot reads pending.input (the
-start's output): data dependencies both.
+start's output): data dependencies both. The rows_matmul GEMMs also write their rows straight
+into their rank's slot of the output (no concatenate + roll afterwards, a copy of the whole
+output).
 
 Backward: dx = matmul_reduce_scatter(ct, w.T) (overlapped the same way), dw from the rows
 gathered in the forward pass.
