@@ -33,6 +33,11 @@ inline xla::ffi::Error DecodeOp(OpKind op, int64_t device, size_t in_bytes, size
   return xla::ffi::Error::Success();
 }
 
+// The input peers read: `in`, or for an all_gather in place (plan.h) my slot of the output.
+inline const void* InputFor(const OpSpec& spec, const void* in, void* out) {
+  return spec.in_place ? static_cast<const char*>(out) + spec.rank * spec.bytes : in;
+}
+
 // A start's outputs: (out, token[, x]). Output 1 is an ordering token nobody reads; output 2,
 // when the lowering asks for it, aliases the input x (async_collectives.py: compute on it is
 // ordered after the start). Only `out` is written.
@@ -47,16 +52,13 @@ inline xla::ffi::ErrorOr<xla::ffi::Result<xla::ffi::AnyBuffer>> StartOutput(
 // (all_gather: every rank's slot; ppermute: the sender's slot), checked against out's size.
 // Operands (x[, dst]); or, for an all_gather in place (in_place_bytes = the block's bytes > 0),
 // only the buffer: my block is already in my slot, which is also the input peers read
-// (its address needs my rank: InputOf).
+// (its address needs my rank: InputFor).
 struct IntoRows {
   const void* x = nullptr;
   size_t x_bytes = 0;
   void* dst = nullptr;
   size_t bytes = 0;
   bool in_place = false;
-  const void* InputOf(int rank) const {
-    return in_place ? static_cast<const char*>(dst) + rank * x_bytes : x;
-  }
 };
 inline xla::ffi::ErrorOr<IntoRows> DecodeInto(xla::ffi::RemainingArgs args,
                                                xla::ffi::AnyBuffer out, int64_t group_size,

@@ -46,7 +46,7 @@ ffi::Future Failed(ffi::Error error) {
   return future;
 }
 
-// in_place: `in` is ignored, the input is my slot of the output (plan.h).
+// in_place: `in` is ignored, the input is my slot of the output (InputFor).
 ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* in,
                    size_t in_bytes, void* out_data, size_t out_bytes,
                    ffi::Span<const int64_t> groups, int64_t group_size,
@@ -58,7 +58,7 @@ ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* i
   ffi::Error decoded = DecodeOp(op, device, in_bytes, out_bytes, groups, group_size,
                                 permute_dst, peers_only, &spec, &ids, at_source_slot, in_place);
   if (!decoded.success()) return Failed(std::move(decoded));
-  if (in_place) in = static_cast<const char*>(out_data) + spec.rank * in_bytes;
+  in = InputFor(spec, in, out_data);
   std::string err = ValidateSpec(spec);
   if (!err.empty())
     return Failed(ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) + ": " + err));

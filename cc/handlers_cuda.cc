@@ -101,8 +101,8 @@ ffi::Error PermuteCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
 //
 // Async streams: the lowering picks one per start (attribute `stream`, the same on every
 // rank, async_collectives.py says how); a start runs on that stream and uses its flag lane,
-// 1 + stream (or -1: XLA's stream, lane 0). With one stream, starts run one after another: a pipeline of many exchanges
-// (the fused ops' pieces) can queue up behind each other there.
+// 1 + stream (or -1: XLA's stream, lane 0). With one stream, starts run one after another: a
+// pipeline of many exchanges (the fused ops' pieces) can queue up behind each other there.
 
 struct AsyncState {
   cudaStream_t streams[kMaxAsyncLanes] = {};  // the device's async streams, created once
@@ -128,7 +128,7 @@ ffi::Error CudaFail(const char* what, cudaError_t e) {
                               cudaGetErrorString(e));
 }
 
-// in/in_bytes: the input (in_place: ignored, the input is my slot of the output, plan.h);
+// in/in_bytes: the input (in_place: ignored, the input is my slot of the output, InputFor);
 // out_data/out_bytes: where the result goes (the whole output, or for the "into" variant the
 // rows [offset, offset + n * x rows) of a larger buffer). stream_index -1: no async stream,
 // the exchange runs on XLA's stream itself (lane 0) and done has nothing left to wait for
@@ -163,7 +163,7 @@ ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, const v
   ffi::Error decoded = DecodeOp(op, device, in_bytes, out_bytes, groups, group_size,
                                 permute_dst, peers_only, &spec, &ids, at_source_slot, in_place);
   if (!decoded.success()) return decoded;
-  if (in_place) in = static_cast<const char*>(out_data) + spec.rank * in_bytes;
+  in = InputFor(spec, in, out_data);
   if (spec.bytes > 0 && OutputBytes(spec) > 0) {
     Communicator& comm = CudaCommunicator(ids);
     const int lane = on_xla_stream ? 0 : 1 + static_cast<int>(stream_index);

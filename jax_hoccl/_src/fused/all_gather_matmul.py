@@ -31,7 +31,7 @@ def gather_and_multiply(x, w, axes, n, *, with_rows=False):
   """Returns all_gather(x) @ w and, with_rows, the gathered rows of x in rank order (the
   backward pass's; else None)."""
   if n == 1:
-    return x @ w, x
+    return x @ w, (x if with_rows else None)
   k = x.shape[-1]
   gemm = runs_on_cublaslt(x.dtype, k, w.shape[-1])
   # [n-1, m, ..., K], ranks r+1, r+2, ...; XLA's dot needs pending.input to follow the start,

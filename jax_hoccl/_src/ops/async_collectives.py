@@ -113,10 +113,7 @@ def _into_abstract_eval(x, *dst, axes, axis_size, shape, row, invariant, site, p
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl {'ppermute' if perm else 'all_gather'}_into_start: input must "
                      f"be varying over {axes}, got {set(vma)}")
-  if dst:
-    out = dst[0]
-  else:
-    out = ji.with_type(x, shape, vma - set(axes) if invariant else vma)
+  out = dst[0] if dst else ji.with_type(x, shape, vma - set(axes) if invariant else vma)
   token = ji.with_type(x, (), vma).update(dtype=np.dtype(np.int32), weak_type=False)
   return [out, token]
 
@@ -136,7 +133,7 @@ def _into_lowering(ctx, x, *dst, axes, axis_size, shape, row, invariant, site, p
                    lowering_args=dict(operand_output_aliases=aliases) if aliases else None)
 
 
-def _into_batch(args, dims, *, shape, in_place_rows, **params):
+def _into_batch(args, dims, *, shape, **params):
   # Rows stay the leading axis and the batch goes right behind it: rows [row, ...) of a
   # [total, batch, ...] buffer are still one contiguous range.
   x, *dst = args
@@ -148,8 +145,7 @@ def _into_batch(args, dims, *, shape, in_place_rows, **params):
     buf = (jnp.broadcast_to(buf[:, None], (buf.shape[0], size, *buf.shape[1:])) if bd is None
            else jnp.moveaxis(buf, bd, 1))
     dst = [buf]
-  out, token = into_start_p.bind(x, *dst, shape=(shape[0], size, *shape[1:]),
-                                 in_place_rows=in_place_rows, **params)
+  out, token = into_start_p.bind(x, *dst, shape=(shape[0], size, *shape[1:]), **params)
   return [out, token], [1, ji.not_mapped]
 
 
