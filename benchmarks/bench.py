@@ -206,10 +206,13 @@ def bench_interference(mesh, nbytes=256 * MIB, gemm_n=8192, gemms=30):
 
 def behind_gemms(op_body, k):
   """(x, a) -> k rounds of a GEMM on a, then op_body on x made to wait for it: the host
-  enqueues each op while the GPU runs the GEMM before it, so the op's host cost is hidden."""
+  enqueues each op while the GPU runs the GEMM before it, so the op's host cost is hidden.
+  Each GEMM also waits for the op before it (one element of its output): otherwise XLA runs
+  its own collectives asynchronously beside the next GEMM and the chain measured how much
+  of jax.lax's op the GEMM hid, not the op's latency (session 7, probe_op_cost timelines)."""
   def body(x, a):
     for _ in range(k):
-      a = (a @ a) * 1e-3
+      a = (a @ a) * 1e-3 + x.reshape(-1)[0].astype(a.dtype) * 0
       x = op_body(x + a[0, 0].astype(x.dtype) * 0)
     return x, a
   return body

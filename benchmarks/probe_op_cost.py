@@ -6,7 +6,9 @@ host-bound; if close to the device time, device-bound.
 
     python3 benchmarks/probe_op_cost.py [sizes in KiB, default 64,1024,16384]
 Env knobs of the engine (JAX_HOCCL_MULTISTREAM_MIN_BYTES, JAX_HOCCL_SPIN_US, ...) apply;
-PROBE_VARIANTS=psum,all_gather runs only the variants whose names contain one of those.
+PROBE_VARIANTS=psum,all_gather runs only the variants whose names contain one of those;
+PROBE_TIMELINE=1 also prints each variant's device timeline behind the GEMMs (where the GPU
+waits), PROBE_K sets the chain length (default 32).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import jax_hoccl  # noqa: E402
 from jax_hoccl import _hoccl  # noqa: E402
 from bench import behind_gemms, time_call  # noqa: E402
 
-K = 32
+K = int(os.environ.get("PROBE_K", 32))
 
 
 def variants(n):
@@ -97,6 +99,9 @@ def main():
       per_op = "  ".join(f"{ph}={ns / 1e3 / (calls * K * n):.1f}" for ph, c, ns in prof)
       size = f"{nbytes // 1024} KiB"
       print(f"{name:28s} {size:>8s} {wall * 1e6:8.1f} {dev * 1e6:9.1f}  {per_op}", flush=True)
+      if os.environ.get("PROBE_TIMELINE"):
+        from probe_fused import timeline
+        timeline(g, (x, a), calls=2)
 
 
 if __name__ == "__main__":

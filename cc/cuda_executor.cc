@@ -139,7 +139,8 @@ CUdeviceptr DevPtr(const uint64_t* p) {
   return static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(p));
 }
 
-// Consecutive stream memory operations on one stream, sent as one cuStreamBatchMemOp.
+// Consecutive stream memory operations on one stream: one cuStreamWriteValue64 /
+// cuStreamWaitValue64 each, or all as one cuStreamBatchMemOp (BatchMemOpsEnabled).
 class MemOps {
  public:
   MemOps(const DriverApi& api, cudaStream_t stream) : api_(api), stream_(stream) {}
@@ -164,6 +165,8 @@ class MemOps {
   }
 
   std::string Flush() {
+    if (ops_.empty()) return "";
+    HostTimer timer("api: stream memops");
     std::string err;
     CUstream s = reinterpret_cast<CUstream>(stream_);
     if (ops_.size() > 1 && api_.batch_mem_op && BatchMemOpsEnabled()) {
@@ -332,6 +335,7 @@ uint64_t* MyDoneFrom(const CallContext& c, int reader) {
 }
 
 std::string Copy(const CallContext& c, const Step& s, cudaStream_t stream) {
+  HostTimer timer(s.peer == c.spec.rank ? "api: memcpy local" : "api: memcpy peer");
   const char* src = static_cast<const char*>(c.inputs[s.peer]) + s.src_offset;
   char* dst = static_cast<char*>(c.output) + s.dst_offset;
   cudaMemcpyKind kind = s.peer == c.spec.rank ? cudaMemcpyDeviceToDevice : cudaMemcpyDefault;
