@@ -17,7 +17,8 @@ inline xla::ffi::Error DecodeOp(OpKind op, int64_t device, size_t in_bytes, size
                                 xla::ffi::Span<const int64_t> groups, int64_t group_size,
                                 xla::ffi::Span<const int64_t> permute_dst, bool peers_only,
                                 OpSpec* spec, std::vector<int64_t>* group_ids,
-                                bool at_source_slot = false, bool in_place = false) {
+                                bool at_source_slot = false, bool in_place = false,
+                                bool skip_own = false) {
   GroupPosition pos;
   std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
   if (!err.empty())
@@ -26,6 +27,7 @@ inline xla::ffi::Error DecodeOp(OpKind op, int64_t device, size_t in_bytes, size
   spec->permute_dst.assign(permute_dst.begin(), permute_dst.end());
   spec->at_source_slot = at_source_slot;
   spec->in_place = in_place;
+  spec->skip_own = skip_own;
   if (out_bytes != OutputBytes(*spec))
     return xla::ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) +
                                             ": output size does not match the input");

@@ -51,12 +51,13 @@ ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* i
                    size_t in_bytes, void* out_data, size_t out_bytes,
                    ffi::Span<const int64_t> groups, int64_t group_size,
                    ffi::Span<const int64_t> permute_dst, bool peers_only = false,
-                   bool at_source_slot = false, bool in_place = false) {
+                   bool at_source_slot = false, bool in_place = false, bool skip_own = false) {
   HostTimer timer("cpu handler");  // decode and rendezvous; the copies run at the last arrival
   OpSpec spec;
   std::vector<int64_t> ids;
   ffi::Error decoded = DecodeOp(op, device, in_bytes, out_bytes, groups, group_size,
-                                permute_dst, peers_only, &spec, &ids, at_source_slot, in_place);
+                                permute_dst, peers_only, &spec, &ids, at_source_slot, in_place,
+                                skip_own);
   if (!decoded.success()) return Failed(std::move(decoded));
   in = InputFor(spec, in, out_data);
   std::string err = ValidateSpec(spec);
@@ -144,19 +145,20 @@ ffi::Error DoneCpu(ffi::RemainingArgs, ffi::RemainingRets, int64_t /*site of the
 // Touches no stream, so the one handler serves CPU and CUDA (module.cc).
 ffi::Error OrderAfter(ffi::RemainingArgs, ffi::RemainingRets) { return ffi::Error::Success(); }
 
+// skip_own: my own slot of the output is left unwritten (plan.h).
 ffi::Future AllGatherCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                         int64_t group_size, int64_t /*site*/) {
+                         int64_t group_size, int64_t skip_own, int64_t /*site*/) {
   return RunCpu(OpKind::kAllGather, device, call, x.untyped_data(), x.size_bytes(),
                 out->untyped_data(), out->size_bytes(),
-                groups, group_size, {});
+                groups, group_size, {}, false, false, false, skip_own != 0);
 }
 ffi::Future AllToAllCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                        int64_t group_size, int64_t /*site*/) {
+                        int64_t group_size, int64_t skip_own, int64_t /*site*/) {
   return RunCpu(OpKind::kAllToAll, device, call, x.untyped_data(), x.size_bytes(),
                 out->untyped_data(), out->size_bytes(),
-                groups, group_size, {});
+                groups, group_size, {}, false, false, false, skip_own != 0);
 }
 ffi::Future PermuteCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
@@ -230,6 +232,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherCpu, AllGatherCpu,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("skip_own")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllCpu, AllToAllCpu,
                               ffi::Ffi::Bind()
@@ -239,6 +242,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllCpu, AllToAllCpu,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("skip_own")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteCpu, PermuteCpu,
                               ffi::Ffi::Bind()

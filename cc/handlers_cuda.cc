@@ -51,7 +51,8 @@ ffi::ErrorCode CodeFor(ErrorKind k) {
 
 ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffer x,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                   int64_t group_size, ffi::Span<const int64_t> permute_dst) {
+                   int64_t group_size, ffi::Span<const int64_t> permute_dst,
+                   bool skip_own = false) {
   HostTimer timer("collective");
   static const bool debug = [] {
     const char* v = std::getenv("JAX_HOCCL_DEBUG");
@@ -66,7 +67,8 @@ ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffe
   OpSpec spec;
   std::vector<int64_t> ids;
   ffi::Error decoded = DecodeOp(op, device, x.size_bytes(), out->size_bytes(), groups,
-                                group_size, permute_dst, false, &spec, &ids);
+                                group_size, permute_dst, false, &spec, &ids, false, false,
+                                skip_own);
   if (!decoded.success()) return decoded;
   // Every rank sees the same shapes, so all skip together and sequence numbers stay in step.
   if (spec.bytes == 0) return ffi::Error::Success();
@@ -77,16 +79,19 @@ ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffe
 }
 
 // `site` (the call-site id the CPU engine pairs calls by) is not needed here: every GPU runs
-// its thunks in schedule order, so the per-communicator sequence pairs calls.
+// its thunks in schedule order, so the per-communicator sequence pairs calls. skip_own: my
+// own slot of the output is left unwritten (plan.h).
 ffi::Error AllGatherCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                         int64_t group_size, int64_t /*site*/) {
-  return RunCuda(OpKind::kAllGather, stream, device, x, out, groups, group_size, {});
+                         int64_t group_size, int64_t skip_own, int64_t /*site*/) {
+  return RunCuda(OpKind::kAllGather, stream, device, x, out, groups, group_size, {},
+                 skip_own != 0);
 }
 ffi::Error AllToAllCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                        int64_t group_size, int64_t /*site*/) {
-  return RunCuda(OpKind::kAllToAll, stream, device, x, out, groups, group_size, {});
+                        int64_t group_size, int64_t skip_own, int64_t /*site*/) {
+  return RunCuda(OpKind::kAllToAll, stream, device, x, out, groups, group_size, {},
+                 skip_own != 0);
 }
 ffi::Error PermuteCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
@@ -314,6 +319,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherCuda, AllGatherCuda,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("skip_own")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllCuda, AllToAllCuda,
                               ffi::Ffi::Bind()
@@ -323,6 +329,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllCuda, AllToAllCuda,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("skip_own")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteCuda, PermuteCuda,
                               ffi::Ffi::Bind()

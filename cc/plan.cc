@@ -25,6 +25,8 @@ std::string ValidateSpec(const OpSpec& spec) {
     return "at_source_slot applies to ppermute only";
   if (spec.in_place && (spec.op != OpKind::kAllGather || spec.peers_only))
     return "in_place applies to a full all_gather only";
+  if (spec.skip_own && (spec.op == OpKind::kPermute || spec.peers_only || spec.in_place))
+    return "skip_own applies to a full all_gather or an all_to_all only";
   if (spec.op == OpKind::kPermute) {
     if (static_cast<int>(spec.permute_dst.size()) != n)
       return "permutation must have one entry per rank";
@@ -67,7 +69,7 @@ Block BlockFor(const OpSpec& s, int src, int dst) {
 // Does `dst` read from `src`?
 bool Reads(const OpSpec& s, int dst, int src) {
   if (s.op == OpKind::kPermute) return s.permute_dst[src] == dst;
-  if ((s.peers_only || s.in_place) && src == dst) return false;
+  if ((s.peers_only || s.in_place || s.skip_own) && src == dst) return false;
   return true;
 }
 

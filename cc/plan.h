@@ -68,6 +68,10 @@ struct OpSpec {
   // copied for it; every peer's block lands in its own slot. matmul_psum's GEMMs write their
   // summed pieces straight into the gather buffer, which is then gathered in place.
   bool in_place = false;
+  // all_gather / all_to_all: my own block is not copied into my slot of the output (which
+  // stays unwritten); the caller takes it from its input. psum and psum_scatter sum it from
+  // there: the local copy's cudaMemcpyAsync alone cost ~6 us of host time per op on H200.
+  bool skip_own = false;
 };
 
 // Validates the spec; returns an empty string or a message saying what is wrong.

@@ -49,6 +49,7 @@ std::string Describe(const OpSpec& s, const PlanOptions& o) {
                   " channels=" + std::to_string(o.channels);
   if (s.peers_only) d += " peers_only";
   if (s.in_place) d += " in_place";
+  if (s.skip_own) d += " skip_own";
   if (s.op == OpKind::kPermute) {
     d += " dst=[";
     for (int x : s.permute_dst) d += std::to_string(x) + ",";
@@ -86,6 +87,10 @@ std::vector<uint8_t> Expected(const OpSpec& s, int me) {
           for (size_t i = 0; i < s.bytes; ++i)
             out[(s.at_source_slot ? src * s.bytes : 0) + i] = InputByte(src, i);
       break;
+  }
+  if (s.skip_own) {  // my own slot is never written: it keeps the simulator's fill byte
+    const size_t b = s.op == OpKind::kAllToAll ? s.bytes / n : s.bytes;
+    for (size_t i = 0; i < b; ++i) out[me * b + i] = 0xAB;
   }
   return out;
 }
@@ -251,15 +256,18 @@ void CheckPlanShape(OpSpec spec, const PlanOptions& opt) {
       }
       if (s.kind == StepKind::kZero) zeroed += s.bytes;
     }
-    CHECK(!(spec.peers_only || spec.in_place) || copies_per_peer[r] == 0,
-          "%s: peers_only/in_place rank %d copies itself", what.c_str(), r);
+    CHECK(!(spec.peers_only || spec.in_place || spec.skip_own) || copies_per_peer[r] == 0,
+          "%s: peers_only/in_place/skip_own rank %d copies itself", what.c_str(), r);
     CHECK(spec.op == OpKind::kPermute || zeroed == 0, "%s: rank %d zero-fills", what.c_str(),
           r);
     // Into the source's slot: only the slot of a sender is written, nothing zero-filled.
     size_t senders = 0;
     for (int p = 0; p < n; ++p) senders += spec.op == OpKind::kPermute && spec.permute_dst[p] == r;
     const size_t writes = spec.at_source_slot ? senders * spec.bytes
-                          : hoccl::OutputBytes(spec) - (spec.in_place ? spec.bytes : 0);
+                          : hoccl::OutputBytes(spec) -
+                                (spec.in_place || spec.skip_own
+                                     ? (spec.op == OpKind::kAllToAll ? spec.bytes / n : spec.bytes)
+                                     : 0);
     CHECK(!spec.at_source_slot || zeroed == 0, "%s: rank %d zero-fills", what.c_str(), r);
     CHECK(copied + zeroed == writes, "%s: rank %d writes %zu of %zu bytes",
           what.c_str(), r, copied + zeroed, writes);
@@ -328,6 +336,17 @@ void TestValidate() {
   CHECK(!hoccl::ValidateSpec(in_place).empty(), "in-place peers_only all_gather accepted");
   perm.in_place = true;
   CHECK(!hoccl::ValidateSpec(perm).empty(), "in-place ppermute accepted");
+  OpSpec skip{OpKind::kAllToAll, 4, 0, 8, {}};
+  skip.skip_own = true;
+  CHECK(hoccl::ValidateSpec(skip).empty() && hoccl::OutputBytes(skip) == 8,
+        "all_to_all without the own block");
+  skip.op = OpKind::kAllGather;
+  CHECK(hoccl::ValidateSpec(skip).empty(), "all_gather without the own block rejected");
+  skip.peers_only = true;
+  CHECK(!hoccl::ValidateSpec(skip).empty(), "skip_own peers_only all_gather accepted");
+  OpSpec skip_perm{OpKind::kPermute, 4, 0, 8, {1, 2, 3, 0}};
+  skip_perm.skip_own = true;
+  CHECK(!hoccl::ValidateSpec(skip_perm).empty(), "skip_own ppermute accepted");
   CHECK(std::string(hoccl::OpName(OpKind::kAllToAll)) == "all_to_all", "op name");
 }
 
@@ -342,6 +361,11 @@ void TestCollectives() {
       in_place.in_place = true;  // my block already in my slot of the output
       RunAll(in_place);
       RunAll(OpSpec{OpKind::kAllToAll, n, 0, bytes * n, {}});
+      for (OpKind op : {OpKind::kAllGather, OpKind::kAllToAll}) {
+        OpSpec skip{op, n, 0, op == OpKind::kAllToAll ? bytes * n : bytes, {}};
+        skip.skip_own = true;  // my slot left unwritten (psum / psum_scatter read my input)
+        RunAll(skip);
+      }
     }
     // ppermute: shifts, the reverse, the identity, partial and empty permutations.
     std::vector<std::vector<int>> perms;

@@ -489,3 +489,27 @@ def test_large_single_leaf(op, dtype):
     assert_sum_matches(got, ref, name=op)
   else:
     assert_same(got, ref, name=op)
+
+
+def test_sums_take_their_own_block_from_the_input():
+  """psum (one_shot) and psum_scatter leave their own slot of the mover's output unwritten
+  (skip_own = 1: no local copy) and sum it from the input; the plain movers write it. The
+  values are checked by test_psum / test_psum_scatter."""
+  import re
+  pair = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  spec = P("x")
+  x = jax.ShapeDtypeStruct((2 * 8,), jnp.float32,
+                           sharding=jax.sharding.NamedSharding(pair, spec))
+
+  def skip_own_of(body, target):
+    text = jax.jit(jax.shard_map(body, mesh=pair, in_specs=spec, out_specs=spec,
+                                 check_vma=False)).lower(x).as_text()
+    calls = [l for l in text.splitlines() if f'@{target}(' in l or f'"{target}"' in l]
+    assert calls, text
+    return {int(m) for l in calls for m in re.findall(r"skip_own = (\d+)", l)}
+
+  assert skip_own_of(lambda a: hc.psum(a, "x"), "hoccl_all_gather") == {1}
+  assert skip_own_of(lambda a: hc.psum_scatter(a, "x", tiled=True), "hoccl_all_to_all") == {1}
+  assert skip_own_of(lambda a: hc.all_gather(a, "x", tiled=True), "hoccl_all_gather") == {0}
+  assert skip_own_of(lambda a: hc.all_to_all(a, "x", 0, 0, tiled=True),
+                     "hoccl_all_to_all") == {0}

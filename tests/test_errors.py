@@ -220,7 +220,7 @@ _MISSING_PEER_SCRIPT = textwrap.dedent("""
       call = jax.ffi.ffi_call("hoccl_all_gather", jax.ShapeDtypeStruct((2, 4), a.dtype),
                               has_side_effect=True)
       return call(a, groups=np.array([0, 99], np.int64), group_size=np.int64(2),
-                  site=np.int64(987654321))[0]
+                  skip_own=np.int64(0), site=np.int64(987654321))[0]
     f = jax.jit(jax.shard_map(ghost, mesh=mesh1, in_specs=P("x"), out_specs=P("x"),
                               check_vma=False))
     out["ghost"] = attempt(f, x1)

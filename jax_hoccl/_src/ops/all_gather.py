@@ -3,10 +3,12 @@
 The primitive `hoccl_all_gather` is the mover: x -> out[n, *x.shape], out[k] = rank k's x,
 a copy per peer, no arithmetic. `all_gather` (jax.lax's signature) places that stacked axis
 where the user asked. With invariant=True the output is typed invariant over the axes
-(jax.lax.all_gather_invariant; psum uses it).
+(jax.lax.all_gather_invariant; psum uses it). With skip_own=True my own slot out[rank] is
+left unwritten: psum sums my block from its input instead (no local copy).
 """
 from __future__ import annotations
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 
@@ -18,7 +20,7 @@ from jax_hoccl._src.ops import across_processes, common
 all_gather_p = ji.Primitive("hoccl_all_gather")
 
 
-def _abstract_eval(x, *, axes, axis_size, invariant, site):
+def _abstract_eval(x, *, axes, axis_size, invariant, skip_own, site):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl all_gather: input must be varying over {axes}, got {set(vma)}")
@@ -26,15 +28,17 @@ def _abstract_eval(x, *, axes, axis_size, invariant, site):
   return ji.with_type(x, (axis_size, *x.shape), out_vma)
 
 
-def _lowering(ctx, x, *, axes, axis_size, invariant, site):
+def _lowering(ctx, x, *, axes, axis_size, invariant, skip_own, site):
+  # (Across processes every slot is written, my own too: a superset of skip_own's result.)
   across = across_processes.lowering_for("all_gather", ctx, x, axes=axes, invariant=invariant)
   if across is not None:
     return across
-  return ffi_lower("hoccl_all_gather", "all_gather", ctx, x,
+  return ffi_lower("hoccl_all_gather", "all_gather", ctx, x, skip_own=np.int64(skip_own),
                    **axes_lib.ffi_group_attrs(ctx, axes, "all_gather", site))
 
 
-def _transpose(ct, x, *, axes, axis_size, invariant, site):
+def _transpose(ct, x, *, axes, axis_size, invariant, skip_own, site):
+  assert not skip_own, "skip_own is for psum's lowering only, never differentiated"
   if invariant and ji.check_vma_enabled():
     # The cotangent of an invariant output is the same on every rank: take my block.
     rank = jax.lax.axis_index(common.axis_name_arg(axes))
@@ -55,9 +59,9 @@ ji.deflinear2(all_gather_p, _transpose)
 ji.primitive_batchers[all_gather_p] = _batch
 
 
-def gather_stacked(x, axes, axis_size, invariant=False):
+def gather_stacked(x, axes, axis_size, invariant=False, skip_own=False):
   return all_gather_p.bind(x, axes=tuple(axes), axis_size=int(axis_size), invariant=invariant,
-                           site=axes_lib.new_site())
+                           skip_own=bool(skip_own), site=axes_lib.new_site())
 
 
 def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to="varying"):

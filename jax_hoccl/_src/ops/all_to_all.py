@@ -2,10 +2,12 @@
 
 The primitive `hoccl_all_to_all` is the mover on a stacked layout x[n, ...] (block j goes to
 rank j); it is its own transpose. `all_to_all` (jax.lax's signature) reshapes split_axis /
-concat_axis into and out of that layout.
+concat_axis into and out of that layout. With skip_own=True my own slot stays unwritten:
+psum_scatter sums my block from its input instead (no local copy).
 """
 from __future__ import annotations
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 
@@ -17,7 +19,7 @@ from jax_hoccl._src.ops import across_processes, common
 all_to_all_p = ji.Primitive("hoccl_all_to_all")
 
 
-def _abstract_eval(x, *, axes, axis_size, site):
+def _abstract_eval(x, *, axes, axis_size, skip_own, site):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl all_to_all: input must be varying over {axes}, got {set(vma)}")
@@ -26,15 +28,16 @@ def _abstract_eval(x, *, axes, axis_size, site):
   return ji.with_type(x, x.shape, vma)
 
 
-def _lowering(ctx, x, *, axes, axis_size, site):
+def _lowering(ctx, x, *, axes, axis_size, skip_own, site):
   across = across_processes.lowering_for("all_to_all", ctx, x, axes=axes)
   if across is not None:
     return across
-  return ffi_lower("hoccl_all_to_all", "all_to_all", ctx, x,
+  return ffi_lower("hoccl_all_to_all", "all_to_all", ctx, x, skip_own=np.int64(skip_own),
                    **axes_lib.ffi_group_attrs(ctx, axes, "all_to_all", site))
 
 
-def _transpose(ct, x, *, axes, axis_size, site):
+def _transpose(ct, x, *, axes, axis_size, skip_own, site):
+  assert not skip_own, "skip_own is for psum_scatter's lowering only, never differentiated"
   return [exchange_stacked(ct, axes, axis_size)]
 
 
@@ -51,8 +54,9 @@ ji.deflinear2(all_to_all_p, _transpose)
 ji.primitive_batchers[all_to_all_p] = _batch
 
 
-def exchange_stacked(x, axes, axis_size):
-  return all_to_all_p.bind(x, axes=tuple(axes), axis_size=int(axis_size), site=axes_lib.new_site())
+def exchange_stacked(x, axes, axis_size, skip_own=False):
+  return all_to_all_p.bind(x, axes=tuple(axes), axis_size=int(axis_size),
+                           skip_own=bool(skip_own), site=axes_lib.new_site())
 
 
 def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None, tiled=False):

@@ -21,6 +21,15 @@ def sum_leading(x):
   return acc.astype(dt)
 
 
+def sum_leading_with_own(received, own, axes):
+  """sum_leading of `received` [n, ...] whose slot `rank` the mover left unwritten
+  (skip_own), that slot taken from `own`: the same rank-order sum, bitwise, without copying
+  my own block into `received` first (XLA fuses the select into the sum)."""
+  n = received.shape[0]
+  mine = (jnp.arange(n) == rank(axes)).reshape((n,) + (1,) * own.ndim)
+  return sum_leading(jnp.where(mine, own[None], received))
+
+
 def ensure_varying(x, axes):
   """Like jax.lax's collectives: an input invariant over `axes` is first made varying, so a
   psum of a replicated value sums n copies (check_vma=True only; a no-op otherwise)."""

@@ -69,7 +69,8 @@ def _abstract_eval(x, *, axes, axis_size, algorithm, site):
 def _impl(x, *, axes, axis_size, algorithm, site):
   n = axis_size
   if algorithm == "one_shot":
-    return common.sum_leading(gather_stacked(x, axes, n, invariant=True))
+    got = gather_stacked(x, axes, n, invariant=True, skip_own=True)
+    return common.sum_leading_with_own(got, x, axes)
   if algorithm == "pipelined":
     return _pipelined(x, axes, n)
   return two_step(x, axes, n)

@@ -28,7 +28,9 @@ def _abstract_eval(x, *, axes, axis_size, site):
 
 
 def _impl(x, *, axes, axis_size, site):
-  return common.sum_leading(exchange_stacked(x, axes, axis_size))
+  got = exchange_stacked(x, axes, axis_size, skip_own=True)  # got[j]: rank j's block for me
+  own = jax.lax.dynamic_index_in_dim(x, common.rank(axes), axis=0, keepdims=False)
+  return common.sum_leading_with_own(got, own, axes)
 
 
 def _transpose(ct, x, *, axes, axis_size, site):
