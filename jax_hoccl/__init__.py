@@ -14,7 +14,8 @@ from jax_hoccl._src.fused.matmul_reduce_scatter import matmul_reduce_scatter
 from jax_hoccl._src.ops.all_gather import all_gather
 from jax_hoccl._src.ops.all_to_all import all_to_all
 from jax_hoccl._src.ops.async_collectives import (Pending, all_gather_start, all_to_all_start,
-                                                  done, ppermute_start)
+                                                  done, ppermute_start, psum_scatter_start,
+                                                  psum_start)
 from jax_hoccl._src.ops.ppermute import ppermute
 from jax_hoccl._src.ops.psum import psum, psum_algorithm
 from jax_hoccl._src.ops.psum_scatter import psum_scatter
@@ -24,7 +25,8 @@ __all__ = [
     # collectives (jax.lax signatures)
     "psum", "all_gather", "psum_scatter", "all_to_all", "ppermute", "psum_algorithm",
     # async pairs
-    "all_gather_start", "all_to_all_start", "ppermute_start", "done", "Pending",
+    "all_gather_start", "all_to_all_start", "ppermute_start", "psum_start",
+    "psum_scatter_start", "done", "Pending",
     # fused matmul-collective ops
     "all_gather_matmul", "matmul_reduce_scatter", "matmul_psum", "matmul_all_to_all",
     "embedding_all_to_all",

@@ -165,6 +165,68 @@ def test_pairs_match_lax(mesh, ax, check_vma, dtype):
   assert (to_np(got["pp_partial"]) == 0).any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [pytest.param(jnp.int32, id="i32")])
+@pytest.mark.parametrize("check_vma", CHECK_VMA)
+@pytest.mark.parametrize("mesh,ax", CASES)
+def test_reducing_pairs_match_lax(mesh, ax, check_vma, dtype):
+  """psum_start / psum_scatter_start (tiled and not, scatter_dimension 0 and 1) equal
+  jax.lax's psum / psum_scatter, typed the same, with compute on pending.input between."""
+  n = axis_size(mesh, ax)
+  rng = np.random.default_rng(7)
+  x = put(mesh, rand(rng, (8 * M, K), dtype) if dtype != jnp.int32
+          else rng.integers(-40, 40, (8 * M, K)).astype(np.int32))
+  types = {}
+
+  def ours(x):
+    o = {}
+    p = hc.psum_start(x, ax)
+    o["psum"], o["psum_between"] = hc.done(p, p.input * 2)
+    o["ps_t0"] = hc.done(hc.psum_scatter_start(x, ax, tiled=True))[0]
+    q = hc.psum_scatter_start(x, ax, tiled=True)
+    o["ps_t0_input"], = hc.done(q, q.input)[1:]
+    o["ps_u0"] = hc.done(hc.psum_scatter_start(x[:n], ax))[0]
+    o["ps_u1"] = hc.done(hc.psum_scatter_start(x[:M, :1].repeat(n, 1), ax, scatter_dimension=1))[0]
+    return o
+
+  def lax(x):
+    up = (lambda v: v.astype(jnp.float32)) if dtype == jnp.bfloat16 else (lambda v: v)
+    down = lambda v: v.astype(dtype)  # noqa: E731
+    return {
+        "psum": down(jax.lax.psum(up(x), ax)), "psum_between": x * 2,
+        "ps_t0": down(jax.lax.psum_scatter(up(x), ax, tiled=True)), "ps_t0_input": x,
+        "ps_u0": down(jax.lax.psum_scatter(up(x[:n]), ax)),
+        "ps_u1": down(jax.lax.psum_scatter(up(x[:M, :1].repeat(n, 1)), ax, scatter_dimension=1)),
+    }
+
+  def body(x):
+    a, b = ours(x), lax(x)
+    types["ours"] = {k: jax.typeof(v) for k, v in a.items()}
+    types["lax"] = {k: jax.typeof(v) for k, v in b.items()}
+    return a, b
+
+  got, ref = run_sequential(smap(mesh, body, check_vma), x)
+  for k in ref:
+    a, b = to_np(got[k]), to_np(ref[k])
+    assert a.dtype == b.dtype == np.dtype(dtype) and a.shape == b.shape, (k, a.dtype, a.shape)
+    if dtype == jnp.bfloat16:  # both sum in f32 and round once; the order may differ
+      np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=1e-2,
+                                 atol=1e-2, err_msg=k)
+    else:
+      np.testing.assert_array_equal(a, b, err_msg=k)
+    assert str(types["ours"][k]) == str(types["lax"][k]), (k, types["ours"][k],
+                                                           types["lax"][k])
+  assert not np.array_equal(to_np(got["psum"]), to_np(x)[:M])  # the sum is not my x
+
+
+def test_psum_scatter_start_checks_its_input():
+  f = smap(MESH1, lambda v: hc.done(hc.psum_scatter_start(v, "x", tiled=True))[0], True)
+  with pytest.raises(ValueError, match="divide by the axis size"):
+    f.lower(sds((8 * 3, 2)))
+  g = smap(MESH1, lambda v: hc.done(hc.psum_start(v, "nope"))[0], True)
+  with pytest.raises((NameError, ValueError), match="psum_start"):
+    g.lower(sds((8 * 2, 2)))
+
+
 def test_peers_only_rotation_explicit():
   """peers_only block k on rank r is rank (r+1+k) % n's x, checked against numpy directly
   (not through jax.lax) on the 1-D mesh."""

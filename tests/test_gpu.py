@@ -178,6 +178,35 @@ def test_async_pairs_on_gpu(mesh):
     np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32],
+                         ids=lambda d: np.dtype(d).name)
+def test_reducing_pairs_on_gpu(mesh, dtype):
+  """psum_start / psum_scatter_start with a GEMM between start and done, against jax.lax."""
+  n = len(GPUS)
+  x = _rand((n * 512, 64), dtype, seed=13)
+  w = _rand((64, 64), jnp.float32, seed=14)
+
+  def ours(v):
+    p = jax_hoccl.psum_start(v, "x")
+    q = jax_hoccl.psum_scatter_start(v, "x", tiled=True)
+    y = p.input.astype(jnp.float32) @ w
+    s, y = jax_hoccl.done(p, y)
+    t, y = jax_hoccl.done(q, y)
+    return s, t, y
+
+  def ref(v):
+    return jax.lax.psum(v, "x"), jax.lax.psum_scatter(v, "x", tiled=True), v.astype(jnp.float32) @ w
+
+  xs = jax.device_put(x, NamedSharding(mesh, P("x")))
+  specs = (P(), P("x"), P("x"))
+  for _ in range(3):  # several launches
+    a = jax.jit(jax.shard_map(ours, mesh=mesh, in_specs=P("x"), out_specs=specs))(xs)
+  b = jax.jit(jax.shard_map(ref, mesh=mesh, in_specs=P("x"), out_specs=specs))(xs)
+  for u, v in zip(a[:2], b[:2]):
+    _close(np.asarray(u), np.asarray(v), dtype)
+  np.testing.assert_allclose(np.asarray(a[2]), np.asarray(b[2]), rtol=1e-4, atol=1e-3)
+
+
 FUSED = {
     "all_gather_matmul": (lambda x, w: jax_hoccl.all_gather_matmul(x, w, "x"),
                           lambda x, w: jax.lax.all_gather(x, "x", tiled=True) @ w,

@@ -1,4 +1,5 @@
-"""Async pairs: `<op>_start` enqueues the copies and returns at once; `done` waits for them.
+"""Async pairs: `<op>_start` enqueues the copies and returns at once; `done` waits for them
+(and, for psum_start / psum_scatter_start, sums what arrived).
 
     pending = jax_hoccl.all_gather_start(x, "tp", tiled=True)
     y_mine = pending.input @ w                  # runs while peers' blocks are in flight
@@ -419,5 +420,46 @@ def ppermute_start(x, axis_name, perm, *, order_input=True):
                 perm=check_perm(perm, n))
 
 
-for _f in (all_gather_start, all_to_all_start, ppermute_start):
+def _summable(x, op):
+  x = jnp.asarray(x)
+  axes_lib.check_dtype(x, op, summable=True)
+  return x.astype(jnp.int32) if x.dtype == jnp.bool_ else x  # as jax.lax: bools sum to int32
+
+
+def psum_start(x, axis_name, *, order_input=True):
+  """Starts jax_hoccl.psum(x, axis_name) of one array: the copy engines bring every rank's x
+  between start and done, and done sums them in rank order (an XLA fusion; bf16/f16
+  accumulate in f32), the result typed invariant over the axes like jax.lax.psum's. One
+  exchange of (n - 1) x the bytes (psum's one_shot): over more than two ranks, a large array
+  moves fewer bytes as psum_scatter_start, then all_gather_start of the result."""
+  axes, n = axes_lib.check_axes(axis_name, "psum_start")
+  x = common.ensure_varying(_summable(x, "psum_start"), axes)
+  return _start("all_gather", x, axes, n, order_input, invariant=True,
+                finish=common.sum_leading)
+
+
+def psum_scatter_start(x, axis_name, *, scatter_dimension=0, tiled=False, order_input=True):
+  """Starts jax_hoccl.psum_scatter(x, axis_name, ...): the copy engines bring me every
+  rank's block of x between start and done; done sums them in rank order (an XLA fusion;
+  bf16/f16 accumulate in f32)."""
+  axes, n = axes_lib.check_axes(axis_name, "psum_scatter_start")
+  x = _summable(x, "psum_scatter_start")
+  if x.ndim == 0:
+    raise ValueError("jax_hoccl.psum_scatter_start: input must have rank >= 1.")
+  d = common.canonical_axis(scatter_dimension, x.ndim, "psum_scatter_start",
+                            "scatter_dimension")
+  blocks = common.rank_blocks(common.ensure_varying(x, axes), d, n, tiled, axes,
+                              "psum_scatter_start", "scatter_dimension")
+
+  def finish(got):  # got[j]: rank j's block for me
+    y = common.sum_leading(got)
+    return y if tiled else jnp.squeeze(y, axis=d)
+
+  pending = _start("all_to_all", blocks, axes, n, order_input, finish=finish)
+  if order_input:  # pending.input in x's layout (rank_blocks undone; a bitcast for axis 0)
+    pending.input = jnp.moveaxis(pending.input, 0, d).reshape(x.shape)
+  return pending
+
+
+for _f in (all_gather_start, all_to_all_start, ppermute_start, psum_start, psum_scatter_start):
   _f.__doc__ += ORDER_INPUT_DOC
