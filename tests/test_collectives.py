@@ -513,3 +513,51 @@ def test_sums_take_their_own_block_from_the_input():
   assert skip_own_of(lambda a: hc.all_gather(a, "x", tiled=True), "hoccl_all_gather") == {0}
   assert skip_own_of(lambda a: hc.all_to_all(a, "x", 0, 0, tiled=True),
                      "hoccl_all_to_all") == {0}
+
+
+@pytest.mark.parametrize("bucket", [None, "0", "24"], ids=["default", "per-leaf", "24B"])
+def test_psum_of_a_pytree_sums_buckets(bucket, monkeypatch):
+  """psum of a pytree sums leaves of one dtype and type in one exchange per bucket (env
+  JAX_HOCCL_PSUM_BUCKET_BYTES: 0 = one per leaf; 24 bytes splits the f32 leaves in two):
+  values and types equal jax.lax.psum's, including a leaf invariant over another mesh axis
+  (never bucketed with leaves varying over it), bools (summed as int32) and scalars."""
+  import re
+  if bucket is not None:
+    monkeypatch.setenv("JAX_HOCCL_PSUM_BUCKET_BYTES", bucket)
+  rng = np.random.default_rng(3)
+  u = jnp.asarray(rng.standard_normal((8 * 3, 2)).astype(np.float32))  # varying over x and y
+  v = jnp.asarray(rng.standard_normal((4 * 2,)).astype(np.float32))    # varying over y only
+  i = jnp.asarray(rng.integers(-9, 9, (8 * 2,)).astype(np.int32))
+
+  def tree(u, v, i):
+    return {"a": u, "b": u[0] * 3, "c": v, "d": u[:, 0] - 1, "e": i, "f": i > 0,
+            "g": u.astype(jnp.bfloat16)}
+
+  def body(fn):
+    def f(u, v, i):
+      out = fn(tree(u, v, i), "y")
+      return out, jax.tree.map(jax.typeof, out)
+    return f
+
+  types = {}
+
+  def run(fn, name):
+    def f(u, v, i):
+      out, t = body(fn)(u, v, i)
+      types[name] = t
+      return jax.tree.map(lambda a: a[None], out)  # one per device
+    spec = P(("x", "y"))
+    g = jax.jit(jax.shard_map(f, mesh=MESH2, in_specs=(spec, P("y"), spec), out_specs=spec))
+    args = [jax.device_put(a, jax.sharding.NamedSharding(MESH2, s_))
+            for a, s_ in zip((u, v, i), (spec, P("y"), spec))]
+    return g(*args), g.lower(*args).as_text()
+
+  ours, text = run(hc.psum, "ours")
+  ref, _ = run(jax.lax.psum, "lax")
+  for k in ref:
+    np.testing.assert_array_equal(np.asarray(ours[k]), np.asarray(ref[k]), err_msg=k)
+    assert str(types["ours"][k]) == str(types["lax"][k]), (k, types["ours"][k], types["lax"][k])
+  calls = len(re.findall(r"hoccl_all_gather", text))
+  # f32 varying over x,y: a, b, d (24 + 4 + 12 bytes); f32 varying over y: c; int32: e, f;
+  # bf16: g. Default: 4 exchanges; per leaf: 7; 24-byte buckets: a alone, b + d, c, e + f, g.
+  assert calls == {None: 4, "0": 7, "24": 5}[bucket], (calls, text)
