@@ -96,6 +96,20 @@ def run_sequential(f, *args):
 # values and typing vs jax.lax
 # ------------------------------------------------------------------------------------------
 
+def run_both(mesh, ours, lax, check_vma, x):
+  """(ours(x), lax(x), their types by output name), both dicts, run in one program."""
+  types = {}
+
+  def body(x):
+    a, b = ours(x), lax(x)
+    types["ours"] = {k: jax.typeof(v) for k, v in a.items()}
+    types["lax"] = {k: jax.typeof(v) for k, v in b.items()}
+    return a, b
+
+  got, ref = run_sequential(smap(mesh, body, check_vma), x)
+  return got, ref, types
+
+
 def _perms(n):
   rng = np.random.default_rng(n)
   shuffled = rng.permutation(n)
@@ -115,7 +129,6 @@ def test_pairs_match_lax(mesh, ax, check_vma, dtype):
   perms = _perms(n)
   rng = np.random.default_rng(1)
   x = put(mesh, rand(rng, (8 * M, K), dtype))
-  types = {}
 
   def ours(x):
     o = {}
@@ -144,13 +157,7 @@ def test_pairs_match_lax(mesh, ax, check_vma, dtype):
       o[f"pp_{name}"] = jax.lax.ppermute(x, ax, perm)
     return o
 
-  def body(x):
-    a, b = ours(x), lax(x)
-    types["ours"] = {k: jax.typeof(v) for k, v in a.items()}
-    types["lax"] = {k: jax.typeof(v) for k, v in b.items()}
-    return a, b
-
-  got, ref = run_sequential(smap(mesh, body, check_vma), x)
+  got, ref, types = run_both(mesh, ours, lax, check_vma, x)
   assert set(got) == set(ref)
   for k in ref:
     a, b = to_np(got[k]), to_np(ref[k])
@@ -175,7 +182,6 @@ def test_reducing_pairs_match_lax(mesh, ax, check_vma, dtype):
   rng = np.random.default_rng(7)
   x = put(mesh, rand(rng, (8 * M, K), dtype) if dtype != jnp.int32
           else rng.integers(-40, 40, (8 * M, K)).astype(np.int32))
-  types = {}
 
   def ours(x):
     o = {}
@@ -198,13 +204,7 @@ def test_reducing_pairs_match_lax(mesh, ax, check_vma, dtype):
         "ps_u1": down(jax.lax.psum_scatter(up(x[:M, :1].repeat(n, 1)), ax, scatter_dimension=1)),
     }
 
-  def body(x):
-    a, b = ours(x), lax(x)
-    types["ours"] = {k: jax.typeof(v) for k, v in a.items()}
-    types["lax"] = {k: jax.typeof(v) for k, v in b.items()}
-    return a, b
-
-  got, ref = run_sequential(smap(mesh, body, check_vma), x)
+  got, ref, types = run_both(mesh, ours, lax, check_vma, x)
   for k in ref:
     a, b = to_np(got[k]), to_np(ref[k])
     assert a.dtype == b.dtype == np.dtype(dtype) and a.shape == b.shape, (k, a.dtype, a.shape)
