@@ -561,3 +561,22 @@ def test_psum_of_a_pytree_sums_buckets(bucket, monkeypatch):
   # f32 varying over x,y: a, b, d (24 + 4 + 12 bytes); f32 varying over y: c; int32: e, f;
   # bf16: g. Default: 4 exchanges; per leaf: 7; 24-byte buckets: a alone, b + d, c, e + f, g.
   assert calls == {None: 4, "0": 7, "24": 5}[bucket], (calls, text)
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+def test_psum_of_a_pytree_differentiates_like_lax(check_vma):
+  """grad through a bucketed psum (concatenate, one exchange, slices) equals jax.lax's."""
+  rng = np.random.default_rng(4)
+  u = jax.device_put(jnp.asarray(rng.standard_normal((8 * 3, 2)).astype(np.float32)),
+                     jax.sharding.NamedSharding(MESH2, P(("x", "y"))))
+
+  def loss(m):
+    def f(u):
+      t = m.psum({"a": u * u, "b": jnp.sin(u[0]), "c": u.sum()}, "y")
+      return (t["a"] * t["b"]).sum() + t["c"] * 2
+    g = jax.shard_map(jax.grad(f), mesh=MESH2, in_specs=P(("x", "y")),
+                      out_specs=P(("x", "y")), check_vma=check_vma)
+    return jax.jit(g)(u)
+
+  np.testing.assert_allclose(np.asarray(loss(hc)), np.asarray(loss(jax.lax)), rtol=1e-5,
+                             atol=1e-5)
