@@ -151,9 +151,10 @@ int CandidateCount() {
 
 // Times every candidate on this call's own operands (once per shape and device; the final
 // call below overwrites what the timed runs wrote) and keeps the fastest, as XLA's autotuner
-// does for its GEMMs: the heuristic's favourite for a piece of rows is often not the fastest
-// (session 7: at 16384 x 4096 x 8192 bf16 the favourite took 1.10x XLA's kernel). Skipped
-// while the stream is being captured into a graph (it must synchronize).
+// does for its GEMMs: the heuristic's favourite is not always the fastest (session 7: a whole
+// 16384 x 4096 x 8192 bf16 GEMM took 1.10x XLA's time with it, 1.00x tuned; for the fused
+// ops' pieces it was already the fastest). Skipped while the stream is being captured into a
+// graph (timing synchronizes).
 template <typename Run>
 void TuneOnce(Plan* plan, Run& run, cudaStream_t stream, int64_t rows, int64_t k, int64_t n,
               bool has_c, int64_t batch) {
@@ -212,7 +213,7 @@ std::string GetPlan(const Lt& lt, const PlanKey& key, DeviceLt** dev_out, Plan**
   *dev_out = &dev;
   auto it = plans->find(key);
   if (it == plans->end()) {
-    Plan p;  // descriptors only; moved into the map below (Plan holds a once_flag)
+    Plan p;  // descriptors only, copied into the map's entry below (a once_flag can't move)
     // Column-major: A = W^T view [n, k] (ld n), B = X^T view [k, rows] (ld k), C/D [n, rows].
     if (!(err = Check(lt.desc_create(&p.desc, kComputeF32, kScaleF32), "MatmulDescCreate")).empty() ||
         !(err = Check(lt.layout_create(&p.a, key.dtype, key.n, key.k, key.n), "LayoutCreate")).empty() ||
