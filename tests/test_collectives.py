@@ -518,12 +518,12 @@ def test_sums_take_their_own_block_from_the_input():
 @pytest.mark.parametrize("bucket", [None, "0", "24"], ids=["default", "per-leaf", "24B"])
 def test_psum_of_a_pytree_sums_buckets(bucket, monkeypatch):
   """psum of a pytree sums leaves of one dtype and type in one exchange per bucket (env
-  JAX_HOCCL_PSUM_BUCKET_BYTES: 0 = one per leaf; 24 bytes splits the f32 leaves in two):
+  JAX_HOCCL_BUCKET_BYTES: 0 = one per leaf; 24 bytes splits the f32 leaves in two):
   values and types equal jax.lax.psum's, including a leaf invariant over another mesh axis
   (never bucketed with leaves varying over it), bools (summed as int32) and scalars."""
   import re
   if bucket is not None:
-    monkeypatch.setenv("JAX_HOCCL_PSUM_BUCKET_BYTES", bucket)
+    monkeypatch.setenv("JAX_HOCCL_BUCKET_BYTES", bucket)
   rng = np.random.default_rng(3)
   u = jnp.asarray(rng.standard_normal((8 * 3, 2)).astype(np.float32))  # varying over x and y
   v = jnp.asarray(rng.standard_normal((4 * 2,)).astype(np.float32))    # varying over y only
@@ -580,3 +580,49 @@ def test_psum_of_a_pytree_differentiates_like_lax(check_vma):
 
   np.testing.assert_allclose(np.asarray(loss(hc)), np.asarray(loss(jax.lax)), rtol=1e-5,
                              atol=1e-5)
+
+
+GATHER_SCATTER_PYTREE = {
+    "all_gather": (lambda m: lambda t: m.all_gather(t, "y"), "hoccl_all_gather"),
+    "all_gather_tiled": (lambda m: lambda t: m.all_gather(t, "y", tiled=True), "hoccl_all_gather"),
+    "all_gather_last": (lambda m: lambda t: m.all_gather(t, "y", axis=-1), "hoccl_all_gather"),
+    "psum_scatter_tiled": (lambda m: lambda t: m.psum_scatter(t, "y", tiled=True),
+                           "hoccl_all_to_all"),
+    "psum_scatter": (lambda m: lambda t: m.psum_scatter(t, "y"), "hoccl_all_to_all"),
+}
+
+
+@pytest.mark.parametrize("bucket", [None, "0"], ids=["default", "per-leaf"])
+@pytest.mark.parametrize("op", sorted(GATHER_SCATTER_PYTREE))
+def test_gather_and_scatter_of_a_pytree_move_buckets(op, bucket, monkeypatch):
+  """all_gather and psum_scatter of a pytree move leaves of one dtype and type in one
+  exchange per bucket, like psum (values and types equal jax.lax's)."""
+  import re
+  if bucket is not None:
+    monkeypatch.setenv("JAX_HOCCL_BUCKET_BYTES", bucket)
+  fn, target = GATHER_SCATTER_PYTREE[op]
+  rng = np.random.default_rng(5)
+  spec = P(("x", "y"))
+  u = jax.device_put(rng.standard_normal((8 * 4, 2)).astype(np.float32),
+                     jax.sharding.NamedSharding(MESH2, spec))           # varying over x and y
+  v = jax.device_put(rng.standard_normal((4 * 4,)).astype(np.float32),
+                     jax.sharding.NamedSharding(MESH2, P("y")))         # varying over y only
+  i = jax.device_put(rng.integers(-9, 9, (8 * 4,)).astype(np.int32),
+                     jax.sharding.NamedSharding(MESH2, spec))
+  types = {}
+
+  def run(m, name):
+    def f(u, v, i):
+      out = fn(m)({"a": u, "b": u[:, 0] * 3, "c": v, "d": i, "g": u.astype(jnp.bfloat16)})
+      types[name] = jax.tree.map(jax.typeof, out)
+      return jax.tree.map(lambda a: a[None], out)
+    g = jax.jit(jax.shard_map(f, mesh=MESH2, in_specs=(spec, P("y"), spec), out_specs=spec))
+    return g(u, v, i), g.lower(u, v, i).as_text()
+
+  ours, text = run(hc, "ours")
+  ref, _ = run(jax.lax, "lax")
+  for k in ref:
+    np.testing.assert_array_equal(np.asarray(ours[k]), np.asarray(ref[k]), err_msg=k)
+    assert str(types["ours"][k]) == str(types["lax"][k]), (k, types["ours"][k], types["lax"][k])
+  # f32 varying over x and y: a + b; f32 varying over y: c; int32: d; bf16: g.
+  assert len(re.findall(target, text)) == {None: 4, "0": 5}[bucket], text

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
-from jax_hoccl._src.ops import across_processes, common
+from jax_hoccl._src.ops import across_processes, buckets, common
 
 all_gather_p = ji.Primitive("hoccl_all_gather")
 
@@ -65,23 +65,28 @@ def gather_stacked(x, axes, axis_size, invariant=False, skip_own=False):
 
 
 def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to="varying"):
-  """jax.lax.all_gather on copy engines. Works on pytrees. `to="invarying"` (jax.lax's
-  spelling; "invariant" is accepted too) types the output invariant over the axes, like
-  jax.lax.all_gather_invariant."""
+  """jax.lax.all_gather on copy engines. Works on pytrees (leaves of one dtype and type in
+  one exchange per bucket, buckets.py). `to="invarying"` (jax.lax's spelling; "invariant" is
+  accepted too) types the output invariant over the axes, like jax.lax.all_gather_invariant."""
   if to == "reduced":
     raise NotImplementedError("jax_hoccl.all_gather: to='reduced' is not supported.")
   if to not in ("varying", "invarying", "invariant"):
     raise ValueError(f"jax_hoccl.all_gather: to must be 'varying' or 'invarying', got {to!r}")
   axes, n = axes_lib.check_axes(axis_name, "all_gather", axis_index_groups)
 
-  def one(leaf):
+  invariant = to != "varying"
+
+  def prepare(leaf):
     leaf = jnp.asarray(leaf)
     axes_lib.check_dtype(leaf, "all_gather")
+    common.canonical_axis(axis, leaf.ndim if tiled else leaf.ndim + 1, "all_gather", "axis")
+    if tiled and leaf.ndim == 0:
+      raise ValueError("jax_hoccl.all_gather: tiled=True needs an input of rank >= 1.")
+    return common.ensure_varying(leaf, axes)
+
+  def place(y, leaf):  # y [n, *leaf.shape] -> the layout jax.lax.all_gather returns
     nd = leaf.ndim
     ax = common.canonical_axis(axis, nd if tiled else nd + 1, "all_gather", "axis")
-    if tiled and nd == 0:
-      raise ValueError("jax_hoccl.all_gather: tiled=True needs an input of rank >= 1.")
-    y = gather_stacked(common.ensure_varying(leaf, axes), axes, n, invariant=(to != "varying"))
     y = jnp.moveaxis(y, 0, ax)  # [.., n, d_ax, ..]
     if tiled:
       shape = list(leaf.shape)
@@ -89,4 +94,10 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
       y = y.reshape(shape)
     return y
 
-  return jax.tree.map(one, x)
+  leaves, tree = jax.tree.flatten(x)
+  leaves = [prepare(leaf) for leaf in leaves]
+  gather = lambda v: gather_stacked(v, axes, n, invariant=invariant)  # noqa: E731
+  out = buckets.combined(
+      leaves, lambda leaf: place(gather(leaf), leaf), pack=lambda leaf: leaf.reshape(-1),
+      exchange=gather, unpack=lambda part, leaf: place(part.reshape(n, *leaf.shape), leaf))
+  return jax.tree.unflatten(tree, out)

@@ -22,17 +22,13 @@ import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
-from jax_hoccl._src.ops import across_processes, common
+from jax_hoccl._src.ops import across_processes, buckets, common
 from jax_hoccl._src.ops.all_gather import gather_stacked
 from jax_hoccl._src.ops.psum_scatter import reduce_scatter_stacked
 
 ALGORITHMS = ("auto", "one_shot", "two_step", "pipelined")
 PIPELINE_CHUNKS = 4
 ONE_SHOT_MAX_BYTES = 256 * 1024
-# psum of a pytree: leaves of one dtype summed in one exchange, up to this many bytes each.
-# Small exchanges cost ~25-40 us each (copy-engine and flag latency, host enqueue), which a
-# model's dozens of small gradient leaves would pay one by one.
-BUCKET_BYTES = 32 << 20
 _local = threading.local()
 
 psum_p = ji.Primitive("hoccl_psum")
@@ -148,35 +144,9 @@ ji.deflinear2(psum_p, _transpose)
 ji.primitive_batchers[psum_p] = _batch
 
 
-def _bucket_bytes() -> int:
-  v = os.environ.get("JAX_HOCCL_PSUM_BUCKET_BYTES")
-  return BUCKET_BYTES if v is None else int(v)
-
-
-def _buckets(leaves, limit):
-  """Indices of `leaves` grouped into buckets summed in one exchange: leaves of one dtype and
-  one type (varying axes), packed in order up to `limit` bytes; a larger leaf goes alone."""
-  open_, done = {}, []
-  for i, leaf in enumerate(leaves):
-    nbytes = leaf.size * leaf.dtype.itemsize
-    if nbytes >= limit:
-      done.append([i])
-      continue
-    vma = ji.varying_axes(jax.typeof(leaf)) if ji.check_vma_enabled() else frozenset()
-    key = (leaf.dtype, vma)
-    bucket, size = open_.get(key, ([], 0))
-    if size + nbytes > limit and bucket:
-      done.append(bucket)
-      bucket, size = [], 0
-    open_[key] = (bucket + [i], size + nbytes)
-  return done + [b for b, _ in open_.values()]
-
-
 def psum(x, axis_name, *, axis_index_groups=None):
-  """jax.lax.psum with copy-engine data movement. Works on pytrees: leaves of one dtype are
-  summed together, flattened into one buffer per bucket of up to BUCKET_BYTES (one exchange
-  instead of one per leaf, as XLA combines its all-reduces; env JAX_HOCCL_PSUM_BUCKET_BYTES,
-  0 = one exchange per leaf)."""
+  """jax.lax.psum with copy-engine data movement. Works on pytrees: leaves of one dtype and
+  type are summed in one exchange per bucket (buckets.py)."""
   axes, n = axes_lib.check_axes(axis_name, "psum", axis_index_groups)
 
   def prepare(leaf):
@@ -192,15 +162,6 @@ def psum(x, axis_name, *, axis_index_groups=None):
 
   leaves, tree = jax.tree.flatten(x)
   leaves = [prepare(leaf) for leaf in leaves]
-  out = [None] * len(leaves)
-  for bucket in _buckets(leaves, _bucket_bytes()):
-    if len(bucket) == 1:
-      out[bucket[0]] = one(leaves[bucket[0]])
-      continue
-    summed = one(jnp.concatenate([leaves[i].reshape(-1) for i in bucket]))
-    start = 0
-    for i in bucket:
-      size = leaves[i].size
-      out[i] = summed[start:start + size].reshape(leaves[i].shape)
-      start += size
+  out = buckets.combined(leaves, one, pack=lambda leaf: leaf.reshape(-1), exchange=one,
+                         unpack=lambda part, leaf: part.reshape(leaf.shape))
   return jax.tree.unflatten(tree, out)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
-from jax_hoccl._src.ops import across_processes, common
+from jax_hoccl._src.ops import across_processes, buckets, common
 from jax_hoccl._src.ops.all_to_all import exchange_stacked
 
 reduce_scatter_p = ji.Primitive("hoccl_reduce_scatter")
@@ -66,21 +66,29 @@ def reduce_scatter_stacked(x, axes, axis_size):
 
 
 def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, tiled=False):
-  """jax.lax.psum_scatter with copy-engine data movement. Works on pytrees."""
+  """jax.lax.psum_scatter with copy-engine data movement. Works on pytrees (leaves of one
+  dtype and type in one exchange per bucket, buckets.py)."""
   axes, n = axes_lib.check_axes(axis_name, "psum_scatter", axis_index_groups)
 
-  def one(leaf):
+  def blocks_of(leaf):  # [n, ...]: block j goes to rank j
     leaf = jnp.asarray(leaf)
     axes_lib.check_dtype(leaf, "psum_scatter", summable=True)
     if leaf.dtype == jnp.bool_:
       leaf = leaf.astype(jnp.int32)
-    nd = leaf.ndim
-    if nd == 0:
+    if leaf.ndim == 0:
       raise ValueError("jax_hoccl.psum_scatter: input must have rank >= 1.")
-    d = common.canonical_axis(scatter_dimension, nd, "psum_scatter", "scatter_dimension")
-    blocks = common.rank_blocks(common.ensure_varying(leaf, axes), d, n, tiled, axes,
-                                "psum_scatter", "scatter_dimension")
-    y = reduce_scatter_stacked(blocks, axes, n)
+    d = common.canonical_axis(scatter_dimension, leaf.ndim, "psum_scatter", "scatter_dimension")
+    return common.rank_blocks(common.ensure_varying(leaf, axes), d, n, tiled, axes,
+                              "psum_scatter", "scatter_dimension")
+
+  def finish(y):  # my summed block [...] -> jax.lax's layout
+    d = common.canonical_axis(scatter_dimension, y.ndim, "psum_scatter", "scatter_dimension")
     return y if tiled else jnp.squeeze(y, axis=d)
 
-  return jax.tree.map(one, x)
+  leaves, tree = jax.tree.flatten(x)
+  blocks = [blocks_of(leaf) for leaf in leaves]
+  scatter = lambda b: reduce_scatter_stacked(b, axes, n)  # noqa: E731
+  out = buckets.combined(
+      blocks, lambda b: finish(scatter(b)), pack=lambda b: b.reshape(n, -1), exchange=scatter,
+      unpack=lambda part, b: finish(part.reshape(b.shape[1:])))
+  return jax.tree.unflatten(tree, out)
