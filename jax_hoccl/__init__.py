@@ -17,13 +17,15 @@ from jax_hoccl._src.ops.async_collectives import (Pending, all_gather_start, all
                                                   done, ppermute_start, psum_scatter_start,
                                                   psum_start)
 from jax_hoccl._src.ops.ppermute import ppermute
-from jax_hoccl._src.ops.psum import psum, psum_algorithm
+from jax_hoccl._src.ops.pmax import pmax, pmin
+from jax_hoccl._src.ops.psum import pmean, psum, psum_algorithm
 from jax_hoccl._src.ops.psum_scatter import psum_scatter
 
 __version__ = "0.1.0"
 __all__ = [
     # collectives (jax.lax signatures)
-    "psum", "all_gather", "psum_scatter", "all_to_all", "ppermute", "psum_algorithm",
+    "psum", "all_gather", "psum_scatter", "all_to_all", "ppermute", "pmean", "pmax", "pmin",
+    "psum_algorithm",
     # async pairs
     "all_gather_start", "all_to_all_start", "ppermute_start", "psum_start",
     "psum_scatter_start", "done", "Pending",

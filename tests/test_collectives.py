@@ -626,3 +626,46 @@ def test_gather_and_scatter_of_a_pytree_move_buckets(op, bucket, monkeypatch):
     assert str(types["ours"][k]) == str(types["lax"][k]), (k, types["ours"][k], types["lax"][k])
   # f32 varying over x and y: a + b; f32 varying over y: c; int32: d; bf16: g.
   assert len(re.findall(target, text)) == {None: 4, "0": 5}[bucket], text
+
+
+# ------------------------------------------------------------------- pmean / pmax / pmin
+@pytest.mark.parametrize("op", ["pmean", "pmax", "pmin"])
+@pytest.mark.parametrize("mesh,name", AXIS_CASES)
+def test_pmean_pmax_pmin(mesh, name, op):
+  """Equal to jax.lax's (values and types) on every dtype they take, on pytrees, and lowered
+  to our copy engines only."""
+  dtypes = {k: v for k, v in DTYPES.items()  # (complex numbers have no order)
+            if k != "bool" and not jnp.issubdtype(v, jnp.complexfloating)}
+  inputs = global_inputs(mesh, (2, 3), some_dtypes(name, op) if op == "pmean" else dtypes,
+                         seed=11)
+  ours = lambda t: getattr(hc, op)(t, name)  # noqa: E731
+  lax = lambda t: getattr(jax.lax, op)(t, name)  # noqa: E731
+  if op == "pmean":
+    typed, ref = summing_refs(lax, promote_bool=False)
+    got = run_compare(mesh, ours, typed, ref, inputs, summing=True, expect=["hoccl_all_gather"])
+  else:
+    got = run_compare(mesh, ours, lax, lax, inputs, expect=["hoccl_all_gather"])
+  # Non-trivial data: the result is not every rank's own input.
+  assert not np.array_equal(to_np(got["float32"]), to_np(inputs["float32"]))
+
+
+def test_pmax_pmin_pmean_grad_vmap_and_errors():
+  """pmean differentiates like jax.lax's; pmax, like jax.lax's, does not; vmap works;
+  complex numbers have no order."""
+  x = put(MESH1, rand(np.random.default_rng(12), (8 * 2, 3), jnp.float32))
+
+  def smap(f, out_specs=P()):
+    return jax.jit(jax.shard_map(f, mesh=MESH1, in_specs=P("x"), out_specs=out_specs))
+
+  def grad_of(m):
+    return smap(jax.grad(lambda v: jnp.sum(jnp.sin(m.pmean(v * v, "x")))), P("x"))(x)
+
+  np.testing.assert_allclose(to_np(grad_of(hc)), to_np(grad_of(jax.lax)), rtol=1e-6, atol=1e-6)
+  with pytest.raises(NotImplementedError):
+    smap(jax.grad(lambda v: jnp.sum(hc.pmax(v, "x"))), P("x"))(x)
+  for op in ("pmax", "pmin"):
+    a = smap(jax.vmap(lambda v: getattr(hc, op)(v, "x"), in_axes=1, out_axes=1))(x)
+    b = smap(jax.vmap(lambda v: getattr(jax.lax, op)(v, "x"), in_axes=1, out_axes=1))(x)
+    np.testing.assert_array_equal(to_np(a), to_np(b))
+  with pytest.raises(TypeError, match="complex"):
+    smap(lambda v: hc.pmax(v.astype(jnp.complex64), "x")).lower(x)

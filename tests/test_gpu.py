@@ -52,7 +52,32 @@ OPS = {
     "all_to_all": (lambda m: lambda v: m.all_to_all(v, "x", 0, 1, tiled=True), P("x")),
     "ppermute": (lambda m: lambda v: m.ppermute(v, "x", [(i, (i + 1) % len(GPUS))
                                                           for i in range(len(GPUS))]), P("x")),
+    "pmean": (lambda m: lambda v: m.pmean(v, "x"), P()),
+    "pmax": (lambda m: lambda v: m.pmax(v, "x"), P()),
+    "pmin": (lambda m: lambda v: m.pmin(v, "x"), P()),
 }
+
+
+def test_pytrees_move_in_buckets_on_gpu(mesh):
+  """psum / all_gather / psum_scatter of a pytree (leaves of one dtype in one exchange)."""
+  n = len(GPUS)
+  x = _rand((n * 64, 6), jnp.float32, seed=21)
+
+  def body(m):
+    def f(v):
+      t = {"a": v, "b": v[:, :2] * 3, "c": v.astype(jnp.bfloat16), "d": v[0, 0]}
+      s = m.psum(t, "x")
+      g = m.all_gather({"a": v, "b": v[:8] - 1}, "x", tiled=True, to="invarying")
+      r = m.psum_scatter({"a": v, "b": v[:, :2] * 3}, "x", tiled=True)
+      return s["a"] + s["b"].sum() + s["c"].astype(jnp.float32) + s["d"], g["a"], g["b"], r["a"], r["b"]
+    return f
+
+  xs = jax.device_put(x, NamedSharding(mesh, P("x")))
+  specs = (P(), P(), P(), P("x"), P("x"))
+  a, b = (jax.jit(jax.shard_map(body(m), mesh=mesh, in_specs=P("x"), out_specs=specs))(xs)
+          for m in (jax_hoccl, jax.lax))
+  for u, v in zip(a, b):
+    np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)

@@ -6,6 +6,7 @@ between nodes").
 
 The axes split into `local` ones (each group stays inside one process) and `cross` ones:
   psum           reduce-scatter inside, psum across on 1/n_local of the bytes, gather inside
+  pmax, pmin     inside, then across on the result
   reduce_scatter reduce-scatter inside on the whole input, then across on 1/n_local of it
   all_gather     gather across on the input, then inside on n_cross times more
   all_to_all, ppermute   XLA's across the whole group (their pairs cross processes anyway)
@@ -15,6 +16,8 @@ If the local axes alone still span processes (one axis over several processes), 
 goes to XLA.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import jax
@@ -56,7 +59,9 @@ def lowering_for(op: str, ctx, x, **params):
     return None
   local, cross, sizes = split(mesh, tuple(params.pop("axes")))
   fn = {"psum": _psum, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
-        "all_to_all": _all_to_all, "ppermute": _ppermute}[op]
+        "all_to_all": _all_to_all, "ppermute": _ppermute,
+        "pmax": functools.partial(_extremum, op="pmax"),
+        "pmin": functools.partial(_extremum, op="pmin")}[op]
   return ji.lower_fun(fn, multiple_results=False)(
       ctx, x, axes=tuple(a for a in sizes), local=local, cross=cross,
       sizes=tuple(sizes.items()), mesh_order=tuple(mesh.axis_names), **params)
@@ -67,6 +72,16 @@ def _psum(x, *, axes, local, cross, sizes, **_):
   if not local:
     return jax.lax.psum(x, cross)
   return two_step(x, local, _size(local, dict(sizes)), across=lambda p: jax.lax.psum(p, cross))
+
+
+def _extremum(x, *, axes, local, cross, sizes, op, **_):
+  """pmax / pmin: inside with jax_hoccl, then across with jax.lax on the local result."""
+  across = jax.lax.pmax if op == "pmax" else jax.lax.pmin
+  if local:
+    from jax_hoccl._src.ops.pmax import extremum_p
+    x = extremum_p.bind(x, axes=local, axis_size=_size(local, dict(sizes)), op=op,
+                        site=axes_lib.new_site())
+  return across(x, cross)
 
 
 def _all_gather(x, *, axes, local, cross, sizes, invariant, **_):

@@ -165,3 +165,10 @@ def psum(x, axis_name, *, axis_index_groups=None):
   out = buckets.combined(leaves, one, pack=lambda leaf: leaf.reshape(-1), exchange=one,
                          unpack=lambda part, leaf: part.reshape(leaf.shape))
   return jax.tree.unflatten(tree, out)
+
+
+def pmean(x, axis_name, *, axis_index_groups=None):
+  """jax.lax.pmean with copy-engine data movement: psum, then a division by the group size,
+  as jax.lax does it (integers become floats). Works on pytrees."""
+  _, n = axes_lib.check_axes(axis_name, "pmean", axis_index_groups)
+  return jax.tree.map(lambda v: v / n, psum(x, axis_name, axis_index_groups=axis_index_groups))

@@ -1,0 +1,80 @@
+"""pmax / pmin: every rank gets the elementwise maximum / minimum over ranks.
+
+One exchange (like psum's one_shot): the all_gather mover brings the peers' arrays (my own
+slot left unwritten, skip_own) and an XLA fusion reduces them with mine. They are usually
+called on scalars and small arrays (a global gradient norm's max, a loss-scale overflow flag),
+where one exchange is the cheapest. Like jax.lax's, they are not differentiable; vmap works.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import jax_internals as ji
+from jax_hoccl._src.ops import across_processes, buckets, common
+from jax_hoccl._src.ops.all_gather import gather_stacked
+
+extremum_p = ji.Primitive("hoccl_extremum")
+
+
+def _abstract_eval(x, *, axes, axis_size, op, site):
+  vma = ji.varying_axes(x)
+  if ji.check_vma_enabled() and not set(axes) <= vma:
+    raise ValueError(f"jax_hoccl {op}: input must be varying over {axes}, got {set(vma)}")
+  return ji.with_type(x, x.shape, vma - set(axes))
+
+
+def _impl(x, *, axes, axis_size, op, site):
+  got = gather_stacked(x, axes, axis_size, invariant=True, skip_own=True)
+  mine = (jnp.arange(axis_size) == common.rank(axes)).reshape((axis_size,) + (1,) * x.ndim)
+  stacked = jnp.where(mine, x[None], got)
+  return (jnp.max if op == "pmax" else jnp.min)(stacked, axis=0)
+
+
+def _lowering(ctx, x, *, axes, axis_size, op, site):
+  across = across_processes.lowering_for(op, ctx, x, axes=axes)
+  if across is not None:
+    return across
+  return ji.lower_fun(_impl, multiple_results=False)(ctx, x, axes=axes, axis_size=axis_size,
+                                                      op=op, site=site)
+
+
+def _batch(args, dims, **params):
+  (x,), (d,) = args, dims
+  return extremum_p.bind(x, **params), d
+
+
+extremum_p.def_abstract_eval(_abstract_eval)
+ji.register_lowering(extremum_p, _lowering)
+ji.primitive_batchers[extremum_p] = _batch
+
+
+def _extremum(x, axis_name, axis_index_groups, op):
+  axes, n = axes_lib.check_axes(axis_name, op, axis_index_groups)
+
+  def prepare(leaf):
+    leaf = jnp.asarray(leaf)
+    axes_lib.check_dtype(leaf, op)
+    if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+      raise TypeError(f"jax_hoccl.{op}: complex numbers have no order ({leaf.dtype}).")
+    return common.ensure_varying(leaf, axes)
+
+  def one(leaf):
+    return extremum_p.bind(leaf, axes=axes, axis_size=n, op=op, site=axes_lib.new_site())
+
+  leaves, tree = jax.tree.flatten(x)
+  leaves = [prepare(leaf) for leaf in leaves]
+  out = buckets.combined(leaves, one, pack=lambda leaf: leaf.reshape(-1), exchange=one,
+                         unpack=lambda part, leaf: part.reshape(leaf.shape))
+  return jax.tree.unflatten(tree, out)
+
+
+def pmax(x, axis_name, *, axis_index_groups=None):
+  """jax.lax.pmax with copy-engine data movement. Works on pytrees."""
+  return _extremum(x, axis_name, axis_index_groups, "pmax")
+
+
+def pmin(x, axis_name, *, axis_index_groups=None):
+  """jax.lax.pmin with copy-engine data movement. Works on pytrees."""
+  return _extremum(x, axis_name, axis_index_groups, "pmin")
