@@ -589,14 +589,19 @@ GATHER_SCATTER_PYTREE = {
     "psum_scatter_tiled": (lambda m: lambda t: m.psum_scatter(t, "y", tiled=True),
                            "hoccl_all_to_all"),
     "psum_scatter": (lambda m: lambda t: m.psum_scatter(t, "y"), "hoccl_all_to_all"),
+    "all_to_all_tiled": (lambda m: lambda t: m.all_to_all(t, "y", 0, 0, tiled=True),
+                         "hoccl_all_to_all"),
+    "all_to_all": (lambda m: lambda t: m.all_to_all(t, "y", 0, 0), "hoccl_all_to_all"),
+    "ppermute": (lambda m: lambda t: m.ppermute(t, "y", [(0, 2), (2, 1), (1, 0), (3, 3)]),
+                 "hoccl_ppermute"),
 }
 
 
 @pytest.mark.parametrize("bucket", [None, "0"], ids=["default", "per-leaf"])
 @pytest.mark.parametrize("op", sorted(GATHER_SCATTER_PYTREE))
 def test_gather_and_scatter_of_a_pytree_move_buckets(op, bucket, monkeypatch):
-  """all_gather and psum_scatter of a pytree move leaves of one dtype and type in one
-  exchange per bucket, like psum (values and types equal jax.lax's)."""
+  """all_gather, psum_scatter, all_to_all and ppermute of a pytree move leaves of one dtype
+  and type in one exchange per bucket, like psum (values and types equal jax.lax's)."""
   import re
   if bucket is not None:
     monkeypatch.setenv("JAX_HOCCL_BUCKET_BYTES", bucket)

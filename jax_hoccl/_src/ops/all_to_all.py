@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
-from jax_hoccl._src.ops import across_processes, common
+from jax_hoccl._src.ops import across_processes, buckets, common
 
 all_to_all_p = ji.Primitive("hoccl_all_to_all")
 
@@ -60,28 +60,37 @@ def exchange_stacked(x, axes, axis_size, skip_own=False):
 
 
 def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None, tiled=False):
-  """jax.lax.all_to_all on copy engines. Works on pytrees."""
+  """jax.lax.all_to_all on copy engines. Works on pytrees (leaves of one dtype and type in
+  one exchange per bucket, buckets.py)."""
   axes, n = axes_lib.check_axes(axis_name, "all_to_all", axis_index_groups)
 
-  def one(leaf):
+  def axes_of(nd):
+    return (common.canonical_axis(split_axis, nd, "all_to_all", "split_axis"),
+            common.canonical_axis(concat_axis, nd, "all_to_all", "concat_axis"))
+
+  def blocks_of(leaf):  # [n, ...]: block j goes to rank j
     leaf = jnp.asarray(leaf)
     axes_lib.check_dtype(leaf, "all_to_all")
-    nd = leaf.ndim
-    if nd == 0:
+    if leaf.ndim == 0:
       raise ValueError("jax_hoccl.all_to_all: input must have rank >= 1.")
-    s = common.canonical_axis(split_axis, nd, "all_to_all", "split_axis")
-    c = common.canonical_axis(concat_axis, nd, "all_to_all", "concat_axis")
-    blocks = common.rank_blocks(common.ensure_varying(leaf, axes), s, n, tiled, axes,
-                                "all_to_all", "split_axis")
-    got = exchange_stacked(blocks, axes, n)  # got[j] = rank j's block for me
+    s, _ = axes_of(leaf.ndim)
+    return common.rank_blocks(common.ensure_varying(leaf, axes), s, n, tiled, axes,
+                              "all_to_all", "split_axis")
+
+  def place(got):  # got[j] = rank j's block for me -> jax.lax's layout
+    s, c = axes_of(got.ndim - 1)
     rest = list(got.shape[1:])  # the input shape with split axis size/n
     if tiled:
       y = jnp.moveaxis(got, 0, c)  # [.., n, d_c, ..]
-      out_shape = list(rest)
-      out_shape[c] *= n
-      return y.reshape(out_shape)
+      rest[c] *= n
+      return y.reshape(rest)
     # Untiled: the split axis (now size 1) disappears, a new axis of size n appears at c.
-    got = jnp.squeeze(got, axis=1 + s)
-    return jnp.moveaxis(got, 0, c)
+    return jnp.moveaxis(jnp.squeeze(got, axis=1 + s), 0, c)
 
-  return jax.tree.map(one, x)
+  leaves, tree = jax.tree.flatten(x)
+  blocks = [blocks_of(leaf) for leaf in leaves]
+  exchange = lambda b: exchange_stacked(b, axes, n)  # noqa: E731
+  out = buckets.combined(
+      blocks, lambda b: place(exchange(b)), pack=lambda b: b.reshape(n, -1), exchange=exchange,
+      unpack=lambda part, b: place(part.reshape(b.shape)))
+  return jax.tree.unflatten(tree, out)

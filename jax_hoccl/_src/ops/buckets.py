@@ -44,6 +44,17 @@ def buckets(leaves, limit: int):
   return done + [b for b, _ in open_.values()]
 
 
+def elementwise(x, prepare, one):
+  """`one(leaf)`, a collective that keeps every element where it is (psum, pmax, ppermute),
+  on each leaf of the pytree `x` after `prepare(leaf)`, a bucket's leaves flattened into one
+  buffer for one call."""
+  leaves, tree = jax.tree.flatten(x)
+  leaves = [prepare(leaf) for leaf in leaves]
+  out = combined(leaves, one, pack=lambda leaf: leaf.reshape(-1), exchange=one,
+                 unpack=lambda part, leaf: part.reshape(leaf.shape))
+  return jax.tree.unflatten(tree, out)
+
+
 def combined(leaves, single, pack, exchange, unpack):
   """Each leaf's result, with one `exchange` per bucket of several leaves.
 

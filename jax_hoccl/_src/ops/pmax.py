@@ -63,11 +63,7 @@ def _extremum(x, axis_name, axis_index_groups, op):
   def one(leaf):
     return extremum_p.bind(leaf, axes=axes, axis_size=n, op=op, site=axes_lib.new_site())
 
-  leaves, tree = jax.tree.flatten(x)
-  leaves = [prepare(leaf) for leaf in leaves]
-  out = buckets.combined(leaves, one, pack=lambda leaf: leaf.reshape(-1), exchange=one,
-                         unpack=lambda part, leaf: part.reshape(leaf.shape))
-  return jax.tree.unflatten(tree, out)
+  return buckets.elementwise(x, prepare, one)
 
 
 def pmax(x, axis_name, *, axis_index_groups=None):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
-from jax_hoccl._src.ops import across_processes, common
+from jax_hoccl._src.ops import across_processes, buckets, common
 
 ppermute_p = ji.Primitive("hoccl_ppermute")
 
@@ -66,14 +66,17 @@ def check_perm(perm, n, op="ppermute"):
 
 
 def ppermute(x, axis_name, perm):
-  """jax.lax.ppermute on copy engines. Works on pytrees."""
+  """jax.lax.ppermute on copy engines. Works on pytrees (leaves of one dtype and type in one
+  exchange per bucket, buckets.py)."""
   axes, n = axes_lib.check_axes(axis_name, "ppermute")
   perm = check_perm(perm, n)
 
-  def one(leaf):
+  def prepare(leaf):
     leaf = jnp.asarray(leaf)
     axes_lib.check_dtype(leaf, "ppermute")
-    return ppermute_p.bind(common.ensure_varying(leaf, axes), axes=axes, axis_size=n, perm=perm,
-                           site=axes_lib.new_site())
+    return common.ensure_varying(leaf, axes)
 
-  return jax.tree.map(one, x)
+  def one(leaf):
+    return ppermute_p.bind(leaf, axes=axes, axis_size=n, perm=perm, site=axes_lib.new_site())
+
+  return buckets.elementwise(x, prepare, one)

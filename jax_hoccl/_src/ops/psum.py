@@ -160,11 +160,7 @@ def psum(x, axis_name, *, axis_index_groups=None):
     algo = choose_algorithm(leaf.size * leaf.dtype.itemsize, n)
     return psum_p.bind(leaf, axes=axes, axis_size=n, algorithm=algo, site=axes_lib.new_site())
 
-  leaves, tree = jax.tree.flatten(x)
-  leaves = [prepare(leaf) for leaf in leaves]
-  out = buckets.combined(leaves, one, pack=lambda leaf: leaf.reshape(-1), exchange=one,
-                         unpack=lambda part, leaf: part.reshape(leaf.shape))
-  return jax.tree.unflatten(tree, out)
+  return buckets.elementwise(x, prepare, one)
 
 
 def pmean(x, axis_name, *, axis_index_groups=None):
