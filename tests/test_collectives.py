@@ -674,3 +674,23 @@ def test_pmax_pmin_pmean_grad_vmap_and_errors():
     np.testing.assert_array_equal(to_np(a), to_np(b))
   with pytest.raises(TypeError, match="complex"):
     smap(lambda v: hc.pmax(v.astype(jnp.complex64), "x")).lower(x)
+
+
+def test_psum_of_constants_folds_like_lax():
+  """psum(1, axis), the idiom for an axis size, is a Python int (usable in shapes) as with
+  jax.lax, and constants fold at trace time: nothing is exchanged."""
+  seen = {}
+
+  def body(v):
+    n, nn = hc.psum(1, "y"), hc.psum(1, ("x", "y"))
+    seen.update(n=n, nn=nn, mean=hc.pmean(3.0, "y"), lax=jax.lax.psum(1, "y"),
+                tree=hc.psum({"a": 2, "b": np.float32(0.5)}, "x"))
+    return v.reshape(n, -1)[0]
+
+  x = put(MESH2, np.arange(8 * 4, dtype=np.float32))
+  f = jax.jit(jax.shard_map(body, mesh=MESH2, in_specs=P(("x", "y")), out_specs=P(("x", "y"))))
+  text = f.lower(x).as_text()
+  assert "hoccl_" not in text, text  # no exchange
+  assert type(seen["n"]) is int and seen["n"] == seen["lax"] == 4 and seen["nn"] == 8
+  assert seen["mean"] == 3.0 and seen["tree"]["a"] == 4 and float(seen["tree"]["b"]) == 1.0
+  np.testing.assert_array_equal(to_np(f(x)), np.arange(32, dtype=np.float32)[::4])

@@ -34,8 +34,9 @@ def buckets(leaves, limit: int):
     if nbytes >= limit:
       done.append([i])
       continue
-    vma = ji.varying_axes(jax.typeof(leaf)) if ji.check_vma_enabled() else frozenset()
-    key = (leaf.dtype, vma)
+    aval = jax.typeof(leaf)
+    vma = ji.varying_axes(aval) if ji.check_vma_enabled() else frozenset()
+    key = (leaf.dtype, vma, aval.weak_type)  # (a weak-typed leaf stays weak, as in jax.lax)
     bucket, size = open_.get(key, ([], 0))
     if size + nbytes > limit and bucket:
       done.append(bucket)

@@ -148,6 +148,11 @@ def psum(x, axis_name, *, axis_index_groups=None):
   """jax.lax.psum with copy-engine data movement. Works on pytrees: leaves of one dtype and
   type are summed in one exchange per bucket (buckets.py)."""
   axes, n = axes_lib.check_axes(axis_name, "psum", axis_index_groups)
+  leaves = jax.tree.leaves(x)
+  if leaves and not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+    # Constants only (psum(1, axis) is the idiom for the axis size): jax.lax folds them at
+    # trace time into constant * n, Python scalars staying Python scalars, and moves nothing.
+    return jax.lax.psum(x, axis_name)
 
   def prepare(leaf):
     leaf = jnp.asarray(leaf)
