@@ -31,7 +31,8 @@ from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
 from jax_hoccl._src.ops import common
-from jax_hoccl._src.ops.ppermute import check_perm
+from jax_hoccl._src.ops.ppermute import check_perm, permute_dst
+from jax_hoccl._src.ops.psum_scatter import scatter_blocks, scatter_result
 
 
 # GPU: async streams a program's starts are spread over, round-robin by start site (so every
@@ -79,21 +80,13 @@ def _start_attrs(ctx, axes, op: str, site: int) -> dict:
   return {**axes_lib.ffi_group_attrs(ctx, axes, op, site), "stream": np.int64(async_stream(site))}
 
 
-def _permute_dst(perm, axis_size: int) -> np.ndarray:
-  """The permute_dst attribute: dst[s] = where rank s sends, -1 for nowhere."""
-  dst = np.full(axis_size, -1, np.int64)
-  for s, d in perm:
-    dst[s] = d
-  return dst
-
-
 def _start_lowering(ctx, x, *, op, axes, axis_size, perm, peers_only, invariant, site,
                     order_input):
   attrs = _start_attrs(ctx, axes, op, site)
   if op == "all_gather":
     attrs["peers_only"] = np.int64(peers_only)
   if op == "ppermute":
-    attrs["permute_dst"] = _permute_dst(perm, axis_size)
+    attrs["permute_dst"] = permute_dst(perm, axis_size)
   return ffi_lower(f"hoccl_{op}_start", op, ctx, x, **attrs,  # output 2: x, aliased
                    lowering_args=dict(operand_output_aliases={0: 2} if order_input else {}))
 
@@ -129,7 +122,7 @@ def _into_lowering(ctx, x, *dst, axes, axis_size, shape, row, invariant, site, p
   attrs["offset"] = np.int64(row * row_bytes)
   aliases = {0: 0} if in_place_rows else {1: 0} if dst else None
   return ffi_lower("hoccl_into_start", op, ctx, x, *dst, **attrs,
-                   permute_dst=_permute_dst(perm, axis_size if perm else 0),  # empty: gather
+                   permute_dst=permute_dst(perm, axis_size if perm else 0),  # empty: gather
                    in_place=np.int64(in_place_rows * row_bytes),
                    lowering_args=dict(operand_output_aliases=aliases) if aliases else None)
 
@@ -420,12 +413,6 @@ def ppermute_start(x, axis_name, perm, *, order_input=True):
                 perm=check_perm(perm, n))
 
 
-def _summable(x, op):
-  x = jnp.asarray(x)
-  axes_lib.check_dtype(x, op, summable=True)
-  return x.astype(jnp.int32) if x.dtype == jnp.bool_ else x  # as jax.lax: bools sum to int32
-
-
 def psum_start(x, axis_name, *, order_input=True):
   """Starts jax_hoccl.psum(x, axis_name) of one array: the copy engines bring every rank's x
   between start and done, and done sums them in rank order (an XLA fusion; bf16/f16
@@ -433,7 +420,7 @@ def psum_start(x, axis_name, *, order_input=True):
   exchange of (n - 1) x the bytes (psum's one_shot): over more than two ranks, a large array
   moves fewer bytes as psum_scatter_start, then all_gather_start of the result."""
   axes, n = axes_lib.check_axes(axis_name, "psum_start")
-  x = common.ensure_varying(_summable(x, "psum_start"), axes)
+  x = common.ensure_varying(common.summable(x, "psum_start"), axes)
   return _start("all_gather", x, axes, n, order_input, invariant=True,
                 finish=common.sum_leading)
 
@@ -443,21 +430,16 @@ def psum_scatter_start(x, axis_name, *, scatter_dimension=0, tiled=False, order_
   rank's block of x between start and done; done sums them in rank order (an XLA fusion;
   bf16/f16 accumulate in f32)."""
   axes, n = axes_lib.check_axes(axis_name, "psum_scatter_start")
-  x = _summable(x, "psum_scatter_start")
-  if x.ndim == 0:
-    raise ValueError("jax_hoccl.psum_scatter_start: input must have rank >= 1.")
-  d = common.canonical_axis(scatter_dimension, x.ndim, "psum_scatter_start",
-                            "scatter_dimension")
-  blocks = common.rank_blocks(common.ensure_varying(x, axes), d, n, tiled, axes,
-                              "psum_scatter_start", "scatter_dimension")
+  shape = jnp.shape(x)
+  blocks = scatter_blocks(x, axes, n, scatter_dimension, tiled, "psum_scatter_start")
 
   def finish(got):  # got[j]: rank j's block for me
-    y = common.sum_leading(got)
-    return y if tiled else jnp.squeeze(y, axis=d)
+    return scatter_result(common.sum_leading(got), scatter_dimension, tiled)
 
   pending = _start("all_to_all", blocks, axes, n, order_input, finish=finish)
   if order_input:  # pending.input in x's layout (rank_blocks undone; a bitcast for axis 0)
-    pending.input = jnp.moveaxis(pending.input, 0, d).reshape(x.shape)
+    d = scatter_dimension % len(shape)
+    pending.input = jnp.moveaxis(pending.input, 0, d).reshape(shape)
   return pending
 
 

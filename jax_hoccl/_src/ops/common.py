@@ -5,6 +5,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 
 
@@ -21,13 +22,34 @@ def sum_leading(x):
   return acc.astype(dt)
 
 
-def sum_leading_with_own(received, own, axes):
-  """sum_leading of `received` [n, ...] whose slot `rank` the mover left unwritten
-  (skip_own), that slot taken from `own`: the same rank-order sum, bitwise, without copying
-  my own block into `received` first (XLA fuses the select into the sum)."""
+def with_own(received, own, axes):
+  """`received` [n, ...], whose slot `rank` the mover left unwritten (skip_own), with that
+  slot taken from `own`: what a reduction over the ranks reads, without copying my own block
+  into `received` first (XLA fuses the select into the reduction)."""
   n = received.shape[0]
   mine = (jnp.arange(n) == rank(axes)).reshape((n,) + (1,) * own.ndim)
-  return sum_leading(jnp.where(mine, own[None], received))
+  return jnp.where(mine, own[None], received)
+
+
+def sum_leading_with_own(received, own, axes):
+  """sum_leading of with_own(received, own, axes): the same rank-order sum, bitwise."""
+  return sum_leading(with_own(received, own, axes))
+
+
+def summable(x, op):
+  """x as an array psum-like ops add: a supported dtype, bools as int32 (as jax.lax)."""
+  x = jnp.asarray(x)
+  axes_lib.check_dtype(x, op, summable=True)
+  return x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+
+
+def reduced_type(x, axes, op):
+  """The type of an all-reduce's result (psum, pmax): x's, invariant over `axes`, which x
+  must vary over (check_vma=True)."""
+  vma = ji.varying_axes(x)
+  if ji.check_vma_enabled() and not set(axes) <= vma:
+    raise ValueError(f"jax_hoccl {op}: input must be varying over {axes}, got {set(vma)}")
+  return ji.with_type(x, x.shape, vma - set(axes))
 
 
 def ensure_varying(x, axes):

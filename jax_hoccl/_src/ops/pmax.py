@@ -7,7 +7,6 @@ where one exchange is the cheapest. Like jax.lax's, they are not differentiable;
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
@@ -19,17 +18,12 @@ extremum_p = ji.Primitive("hoccl_extremum")
 
 
 def _abstract_eval(x, *, axes, axis_size, op, site):
-  vma = ji.varying_axes(x)
-  if ji.check_vma_enabled() and not set(axes) <= vma:
-    raise ValueError(f"jax_hoccl {op}: input must be varying over {axes}, got {set(vma)}")
-  return ji.with_type(x, x.shape, vma - set(axes))
+  return common.reduced_type(x, axes, op)
 
 
 def _impl(x, *, axes, axis_size, op, site):
   got = gather_stacked(x, axes, axis_size, invariant=True, skip_own=True)
-  mine = (jnp.arange(axis_size) == common.rank(axes)).reshape((axis_size,) + (1,) * x.ndim)
-  stacked = jnp.where(mine, x[None], got)
-  return (jnp.max if op == "pmax" else jnp.min)(stacked, axis=0)
+  return (jnp.max if op == "pmax" else jnp.min)(common.with_own(got, x, axes), axis=0)
 
 
 def _lowering(ctx, x, *, axes, axis_size, op, site):

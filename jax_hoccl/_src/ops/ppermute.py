@@ -5,7 +5,6 @@ One copy per (source, destination) pair; the transpose is the inverse permutatio
 from __future__ import annotations
 
 import numpy as np
-import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
@@ -27,10 +26,7 @@ def _lowering(ctx, x, *, axes, axis_size, perm, site):
   across = across_processes.lowering_for("ppermute", ctx, x, axes=axes, perm=perm)
   if across is not None:
     return across
-  dst = np.full(axis_size, -1, np.int64)
-  for s, d in perm:
-    dst[s] = d
-  return ffi_lower("hoccl_ppermute", "ppermute", ctx, x, permute_dst=dst,
+  return ffi_lower("hoccl_ppermute", "ppermute", ctx, x, permute_dst=permute_dst(perm, axis_size),
                    **axes_lib.ffi_group_attrs(ctx, axes, "ppermute", site))
 
 
@@ -49,6 +45,14 @@ ppermute_p.def_abstract_eval(_abstract_eval)
 ji.register_lowering(ppermute_p, _lowering)
 ji.deflinear2(ppermute_p, _transpose)
 ji.primitive_batchers[ppermute_p] = _batch
+
+
+def permute_dst(perm, axis_size: int) -> np.ndarray:
+  """The handlers' permute_dst attribute: dst[s] = where rank s sends, -1 for nowhere."""
+  dst = np.full(axis_size, -1, np.int64)
+  for s, d in perm:
+    dst[s] = d
+  return dst
 
 
 def check_perm(perm, n, op="ppermute"):

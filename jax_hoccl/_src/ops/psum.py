@@ -60,10 +60,7 @@ def psum_algorithm(name: str):
 
 
 def _abstract_eval(x, *, axes, axis_size, algorithm, site):
-  vma = ji.varying_axes(x)
-  if ji.check_vma_enabled() and not set(axes) <= vma:
-    raise ValueError(f"jax_hoccl psum: input must be varying over {axes}, got {set(vma)}")
-  return ji.with_type(x, x.shape, vma - set(axes))
+  return common.reduced_type(x, axes, "psum")
 
 
 def _impl(x, *, axes, axis_size, algorithm, site):
@@ -155,11 +152,7 @@ def psum(x, axis_name, *, axis_index_groups=None):
     return jax.lax.psum(x, axis_name)
 
   def prepare(leaf):
-    leaf = jnp.asarray(leaf)
-    axes_lib.check_dtype(leaf, "psum", summable=True)
-    if leaf.dtype == jnp.bool_:
-      leaf = leaf.astype(jnp.int32)
-    return common.ensure_varying(leaf, axes)
+    return common.ensure_varying(common.summable(leaf, "psum"), axes)
 
   def one(leaf):
     algo = choose_algorithm(leaf.size * leaf.dtype.itemsize, n)

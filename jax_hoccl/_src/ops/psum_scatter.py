@@ -65,28 +65,31 @@ def reduce_scatter_stacked(x, axes, axis_size):
                                site=axes_lib.new_site())
 
 
+def scatter_blocks(x, axes, n, scatter_dimension, tiled, op):
+  """x (checked, bools as int32) split into its n rank blocks, [n, ...]: block j goes to rank
+  j. Shared with psum_scatter_start."""
+  x = common.summable(x, op)
+  if x.ndim == 0:
+    raise ValueError(f"jax_hoccl.{op}: input must have rank >= 1.")
+  d = common.canonical_axis(scatter_dimension, x.ndim, op, "scatter_dimension")
+  return common.rank_blocks(common.ensure_varying(x, axes), d, n, tiled, axes, op,
+                            "scatter_dimension")
+
+
+def scatter_result(y, scatter_dimension, tiled):
+  """My summed block (the input's rank, the scattered axis 1/n long) in jax.lax's layout."""
+  return y if tiled else jnp.squeeze(y, axis=scatter_dimension % y.ndim)
+
+
 def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, tiled=False):
   """jax.lax.psum_scatter with copy-engine data movement. Works on pytrees (leaves of one
   dtype and type in one exchange per bucket, buckets.py)."""
   axes, n = axes_lib.check_axes(axis_name, "psum_scatter", axis_index_groups)
-
-  def blocks_of(leaf):  # [n, ...]: block j goes to rank j
-    leaf = jnp.asarray(leaf)
-    axes_lib.check_dtype(leaf, "psum_scatter", summable=True)
-    if leaf.dtype == jnp.bool_:
-      leaf = leaf.astype(jnp.int32)
-    if leaf.ndim == 0:
-      raise ValueError("jax_hoccl.psum_scatter: input must have rank >= 1.")
-    d = common.canonical_axis(scatter_dimension, leaf.ndim, "psum_scatter", "scatter_dimension")
-    return common.rank_blocks(common.ensure_varying(leaf, axes), d, n, tiled, axes,
-                              "psum_scatter", "scatter_dimension")
-
-  def finish(y):  # my summed block [...] -> jax.lax's layout
-    d = common.canonical_axis(scatter_dimension, y.ndim, "psum_scatter", "scatter_dimension")
-    return y if tiled else jnp.squeeze(y, axis=d)
+  finish = lambda y: scatter_result(y, scatter_dimension, tiled)  # noqa: E731
 
   leaves, tree = jax.tree.flatten(x)
-  blocks = [blocks_of(leaf) for leaf in leaves]
+  blocks = [scatter_blocks(leaf, axes, n, scatter_dimension, tiled, "psum_scatter")
+            for leaf in leaves]
   scatter = lambda b: reduce_scatter_stacked(b, axes, n)  # noqa: E731
   out = buckets.combined(
       blocks, lambda b: finish(scatter(b)), pack=lambda b: b.reshape(n, -1), exchange=scatter,
