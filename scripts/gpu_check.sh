@@ -25,8 +25,8 @@ echo "== build"
 t0=$(date +%s)
 if cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v $PY)" \
      >"$OUTDIR/build.log" 2>&1 && cmake --build build/gpu >>"$OUTDIR/build.log" 2>&1; then
-  cp build/gpu/_hoccl*.so jax_hoccl/
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  cp build/gpu/_hoccl*.so src/jax_hoccl/
+  export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
   SUMMARY+=("build: ok ($(( $(date +%s) - t0 )) s), CUDA engine: $($PY -c 'import jax_hoccl; print(jax_hoccl.with_cuda)')")
 else
   tail -40 "$OUTDIR/build.log"; echo "BUILD FAILED"; exit 1

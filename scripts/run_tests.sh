@@ -2,7 +2,9 @@
 # The whole test suite from a fresh clone: sets up .venv and Bazel (scripts/bootstrap.sh),
 # builds the package with pip (CMake), then `bazel test //...`, which builds cc/ again with
 # Bazel and runs the C++ scheduler test and the pytest suite against the Bazel-built
-# extension. GPU tests skip without >= 2 GPUs (run scripts/gpu_check.sh on a GPU machine).
+# extension, and finally what a user does: a plain (isolated) `pip install .` into fresh
+# environments with the oldest supported and the newest jax (scripts/check_pip_install.sh).
+# GPU tests skip without a GPU (run scripts/gpu_check.sh on a GPU machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
@@ -11,12 +13,16 @@ log=$(mktemp)
 status=0
 bazel test //... --test_output=all 2>&1 | tee "$log" || status=$?
 bazel shutdown >/dev/null 2>&1 || true
+pip_status=0
+bash scripts/check_pip_install.sh 2>&1 | grep -v "^WARNING: Location" | tee -a "$log" || pip_status=$?
+if [ "$pip_status" -ne 0 ]; then status=$pip_status; fi
 # One closing line that CI can read: the pytest summary counts (e.g. "655 passed, 119 skipped,
 # 2 xfailed in 133.05s") plus the C++ test.
 summary=$(grep -E "[0-9]+ passed.* in [0-9.]+s" "$log" | tail -1 || true)
 count() { echo "$summary" | grep -oE "[0-9]+ $1" | awk '{s += $1} END {print s + 0}' || true; }
 passed=$(count passed); failed=$(( $(count failed) + $(count error) )); skipped=$(count skipped)
 if grep -q "//cc:plan_test .*PASSED" "$log"; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+if grep -q "check_pip_install.sh: plain pip install works" "$log"; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
 if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then failed=1; fi
 echo "tests: ${passed} passed, ${failed} failed, ${skipped} skipped"
 exit "$status"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the pytest suite (//:pytest_suite) against the Bazel-built extension.
-# Arguments (from BUILD.bazel): python_bin.sh  jax_hoccl/_hoccl.so  bazel_pytest_plugin.py
+# Arguments (from BUILD.bazel): python_bin.sh  src/jax_hoccl/_hoccl.so  bazel_pytest_plugin.py
 # [extra pytest args...]. The current directory is the runfiles root of the workspace.
 set -euo pipefail
 
@@ -23,7 +23,7 @@ tmp="${TEST_TMPDIR:-$(mktemp -d)}"
 src="$tmp/src"
 rm -rf "$src"
 mkdir -p "$src"
-for f in jax_hoccl tests examples benchmarks pyproject.toml README.md; do
+for f in src/jax_hoccl tests examples benchmarks pyproject.toml README.md; do
   if [[ -e "$f" ]]; then cp -RL "$f" "$src/"; fi
 done
 cp -L "$plugin" "$src/bazel_pytest_plugin.py"
