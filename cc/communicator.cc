@@ -53,6 +53,8 @@ static CompletionPool& Completions() {
   return *pool;
 }
 
+void RunDetached(std::function<void()> task) { Completions().Run(std::move(task)); }
+
 double TimeoutSeconds() {
   const char* v = std::getenv("JAX_HOCCL_TIMEOUT_S");
   if (v && *v) {

@@ -125,6 +125,10 @@ class Communicator {
 // The process-wide communicator for (platform, device ids); created on first use.
 Communicator& GetCommunicator(const std::string& platform, const std::vector<int64_t>& ids);
 
+// Runs `task` on a pool thread that may block (a new thread when none is idle): the CPU
+// engine's cross-process calls wait for peers there, not on XLA's threads.
+void RunDetached(std::function<void()> task);
+
 // Number of live rendezvous slots over all communicators (tests check nothing leaks).
 size_t LiveSlotCount();
 

@@ -22,6 +22,8 @@ namespace hoccl {
 struct CpuCall {
   static xla::ffi::TypeId id;
   int64_t key = 0;
+  int64_t site = 0;        // the lowering's call site (axes.new_site)
+  uint64_t cross_key = 0;  // names the instruction alike in every process (handlers_cpu.cc)
 };
 
 extern "C" {

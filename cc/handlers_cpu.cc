@@ -4,12 +4,16 @@
 // return an ffi::Future), so no thread of XLA:CPU's shared pool waits for a peer. The CUDA
 // handlers (handlers_cuda.cc) take the same attributes, so the Python lowering is identical.
 #include <atomic>
+#include <map>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "communicator.h"
+#include "cpu_cross_process.h"
+#include "job.h"
 #include "cpu_executor.h"
 #include "handler_common.h"
 #include "handlers.h"
@@ -33,9 +37,19 @@ namespace {
 
 std::atomic<int64_t> g_next_call_key{1};
 
-ffi::ErrorOr<std::unique_ptr<CpuCall>> InstantiateCpuCall(ffi::Dictionary /*attrs*/) {
+// Across processes the instruction is named by its lowering's site and how many
+// instructions of that site this process instantiated before: every process compiles the
+// same programs, so the names agree (a per-process counter alone would not, and a site alone
+// is shared by every call of an inner jit).
+ffi::ErrorOr<std::unique_ptr<CpuCall>> InstantiateCpuCall(ffi::Dictionary attrs) {
+  static std::mutex mu;
+  static std::map<int64_t, uint64_t> per_site;
   auto call = std::make_unique<CpuCall>();
   call->key = g_next_call_key.fetch_add(1);
+  auto site = attrs.get<int64_t>("site");
+  call->site = site.has_value() ? *site : 0;
+  std::lock_guard<std::mutex> lock(mu);
+  call->cross_key = (static_cast<uint64_t>(call->site) << 20) | per_site[call->site]++;
   return call;
 }
 
@@ -46,7 +60,8 @@ ffi::Future Failed(ffi::Error error) {
   return future;
 }
 
-// in_place: `in` is ignored, the input is my slot of the output (InputFor).
+// in_place: `in` is ignored, the input is my slot of the output (InputFor). A group that
+// spans processes runs on cpu_cross_process.h, off XLA's threads.
 ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* in,
                    size_t in_bytes, void* out_data, size_t out_bytes,
                    ffi::Span<const int64_t> groups, int64_t group_size,
@@ -63,9 +78,23 @@ ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* i
   std::string err = ValidateSpec(spec);
   if (!err.empty())
     return Failed(ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) + ": " + err));
-  Communicator& comm = GetCommunicator("cpu", ids);
   ffi::Promise promise;
   ffi::Future future(promise);
+  if (!AllLocal(ids)) {
+    const std::string name = SiteName(call->site, OpName(op));
+    const std::string what = name + " of " + std::to_string(spec.bytes) + " bytes (site " +
+                             std::to_string(call->site) + ")";
+    RunDetached([=]() mutable {
+      std::string err = RunCpuAcrossProcesses(spec, ids, call->cross_key, what, in, out_data, name);
+      if (err.empty()) {
+        promise.SetAvailable();
+      } else {
+        promise.SetError(ffi::Error(ffi::ErrorCode::kDeadlineExceeded, err));
+      }
+    });
+    return future;
+  }
+  Communicator& comm = GetCommunicator("cpu", ids);
   comm.ArriveAsync(
       comm.NextSeqAt(spec.rank, call->key), spec.rank, OpName(op), in, out_data,
       [promise](const std::string& error) mutable {

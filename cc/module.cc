@@ -8,6 +8,9 @@
 #include <tuple>
 
 #include "communicator.h"
+#include "cpu_cross_process.h"
+#include "job.h"
+#include "node_rendezvous.h"
 #include "handlers.h"
 #include "host_profile.h"
 #include "plan.h"
@@ -96,6 +99,20 @@ NB_MODULE(_hoccl, m) {
         nb::arg("permute_dst") = std::vector<int>{}, nb::arg("chunks") = 1,
         nb::arg("channels") = 1, nb::arg("peers_only") = false);
   m.def("live_slot_count", &hoccl::LiveSlotCount);
+  m.def("set_job",
+        [](std::string secret, int process_index, std::vector<int64_t> device_process,
+           std::vector<int> process_pids) {
+          hoccl::SetJob({std::move(secret), process_index, std::move(device_process),
+                         std::move(process_pids)});
+        },
+        nb::arg("secret"), nb::arg("process_index"), nb::arg("device_process"),
+        nb::arg("process_pids"),
+        "the jax.distributed job as src/jax_hoccl/_src/job.py found it (cc/job.h)");
+  m.def("name_site", &hoccl::NameSite, nb::arg("site"), nb::arg("name"),
+        "the user's op a lowering's call site runs, for error messages");
+  m.def("linked_shared_memory", &hoccl::LinkedSharedMemory,
+        "names of POSIX shared memory this process created and has not unlinked");
+  m.def("live_staging_mappings", &hoccl::LiveStagingMappings);
   m.def("host_profile", &hoccl::HostProfileSnapshot, nb::arg("reset") = false,
         "(phase, calls, ns) of host time inside the handlers; set JAX_HOCCL_PROFILE=1 first");
 #ifdef JAX_HOCCL_WITH_CUDA

@@ -1,6 +1,7 @@
 """Trace-time checks of axis names and dtypes, and the group table a lowering passes to C++."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import numpy as np
@@ -86,38 +87,69 @@ def group_table(mesh, axes) -> np.ndarray:
 
 
 _sites = itertools.count(1)
+_user_ops: list[str] = []
+
+
+@contextlib.contextmanager
+def user_op(name: str):
+  """Sites made inside (e.g. psum's lowering, which runs on all_gather) are reported in
+  errors as the op the user called."""
+  _user_ops.append(name)
+  try:
+    yield
+  finally:
+    _user_ops.pop()
 
 
 def new_site() -> int:
   """A fresh call-site id. Every collective a lowering emits carries one: XLA:CPU may run
   independent ops concurrently, in a different order per device, so the CPU engine pairs
   the ranks' calls by (site, n-th call from it), as XLA's own CPU collectives key by op id."""
-  return next(_sites)
+  site = next(_sites)
+  if _user_ops:
+    from jax_hoccl._src import ffi_targets
+    ffi_targets.name_site(site, _user_ops[-1])
+  return site
+
+
+def _spans(mesh, axes, of_device) -> bool:
+  owners = np.vectorize(of_device, otypes=[object])(np.asarray(mesh.devices))
+  table = _by_group(owners, mesh.axis_names, axes)
+  return bool((table != table[:, :1]).any())
 
 
 def spans_processes(mesh, axes) -> bool:
   """Whether some group along `axes` holds devices of more than one process."""
-  procs = np.vectorize(lambda d: d.process_index, otypes=[int])(np.asarray(mesh.devices))
-  table = _by_group(procs, mesh.axis_names, axes)
-  return bool((table != table[:, :1]).any())
+  return _spans(mesh, axes, lambda d: d.process_index)
 
 
-def check_single_process(mesh, axes, op: str) -> None:
-  """An FFI call's group must live in one process: peers find each other through an
-  in-process rendezvous (one process per GPU needs the IPC transport, see
-  cc/cuda_executor.h). The collectives compose across processes before they get here
-  (ops/across_processes.py); async pairs and fused ops cannot."""
-  if spans_processes(mesh, axes):
+def spans_nodes(mesh, axes) -> bool:
+  """Whether some group along `axes` holds devices of more than one node (job.py). Groups
+  inside a node run on jax_hoccl's engines, one process or several; groups across nodes are
+  composed with XLA's collectives (ops/across_processes.py)."""
+  if not spans_processes(mesh, axes):
+    return False
+  from jax_hoccl._src import job
+  return _spans(mesh, axes, job.node_of_device)
+
+
+def check_single_node(mesh, axes, op: str) -> None:
+  """An FFI call's group must live in one node: its ranks meet in an in-process rendezvous or
+  in shared memory of the node (cc/node_rendezvous.h). The collectives compose across nodes
+  before they get here (ops/across_processes.py); async pairs and fused ops cannot."""
+  if spans_nodes(mesh, axes):
     raise NotImplementedError(
-        f"jax_hoccl.{op}: the group over {axes} spans several processes; async pairs and "
-        "fused ops run among the devices of one process only (psum, all_gather, psum_scatter, "
-        "all_to_all and ppermute work across processes: jax_hoccl inside each, XLA's "
-        "collectives across). Use one process driving all local GPUs for these axes, or the "
-        "plain collectives.")
+        f"jax_hoccl.{op}: the group over {axes} spans several nodes; async pairs and fused "
+        "ops run among the devices of one node only (psum, all_gather, psum_scatter, "
+        "all_to_all, ppermute, pmean, pmax and pmin work across nodes: jax_hoccl inside each, "
+        "XLA's collectives across). Use mesh axes whose groups stay inside a node for them.")
 
 
 def ffi_group_attrs(ctx, axes, op: str, site: int) -> dict:
   mesh = ji.concrete_mesh_from_lowering(ctx, op)
-  check_single_process(mesh, axes, op)
+  check_single_node(mesh, axes, op)
+  if spans_processes(mesh, axes):
+    from jax_hoccl._src import job
+    job.nodes()  # the C++ engines learn the job before the first call
   table = group_table(mesh, axes)
   return dict(groups=table.reshape(-1), group_size=np.int64(table.shape[1]), site=np.int64(site))

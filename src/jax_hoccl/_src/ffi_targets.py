@@ -37,6 +37,15 @@ def register() -> None:
     _registered = True
 
 
+def set_job(secret: str, process_index: int, device_process: list, pids: list) -> None:
+  _hoccl.set_job(secret, int(process_index), [int(p) for p in device_process],
+                 [int(p) for p in pids])
+
+
+def name_site(site: int, name: str) -> None:
+  _hoccl.name_site(int(site), name)
+
+
 def ffi_lower(target: str, op: str, ctx, *args, lowering_args=None, side_effect=True, **attrs):
   """Lowers to the custom call `target`. has_side_effect keeps XLA from merging or dropping
   a collective on some devices only, and from moving it past other side-effecting ops

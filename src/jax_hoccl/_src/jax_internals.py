@@ -36,6 +36,12 @@ def with_type(aval, shape, varying) -> core.ShapedArray:
   return aval.update(shape=tuple(shape), manual_axis_type=aval.mat.update(varying=frozenset(varying)))
 
 
+def distributed_client():
+  """jax.distributed's client (its key-value store), or None without jax.distributed."""
+  from jax._src import distributed
+  return distributed.global_state.client
+
+
 def concrete_mesh_from_lowering(ctx, op_name: str):
   """The concrete mesh a shard_map body is lowered for (device ids needed for the groups)."""
   axis_ctx = ctx.module_context.axis_context

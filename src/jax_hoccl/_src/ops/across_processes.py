@@ -1,19 +1,18 @@
-"""Collectives whose groups span processes (nodes, or one process per GPU without the IPC
-transport): jax_hoccl's copy engines inside each process, XLA's own collectives (NCCL on
-GPUs, gloo on CPUs) across processes, on as few bytes as the math allows. Each mover's
-lowering calls `lowering_for` first (DESIGN.md: "copy engines inside a node, XLA/NCCL
-between nodes").
+"""Collectives whose groups span nodes: jax_hoccl's engines inside each node (one process
+or several, cc/node_rendezvous.h), XLA's own collectives (NCCL on GPUs, gloo on CPUs)
+between nodes, on as few bytes as the math allows (docs/design.md, "Several nodes"). Each
+mover's lowering calls `lowering_for` first. Which processes share a node: job.py.
 
-The axes split into `local` ones (each group stays inside one process) and `cross` ones:
+The axes split into `local` ones (each group stays inside one node) and `cross` ones:
   psum           reduce-scatter inside, psum across on 1/n_local of the bytes, gather inside
   pmax, pmin     inside, then across on the result
   reduce_scatter reduce-scatter inside on the whole input, then across on 1/n_local of it
   all_gather     gather across on the input, then inside on n_cross times more
-  all_to_all, ppermute   XLA's across the whole group (their pairs cross processes anyway)
+  all_to_all, ppermute   XLA's across the whole group (their pairs cross nodes anyway)
 The stacked forms order blocks by the combined index over `axes` in the order given, so the
 gathered/scattered blocks are transposed between that order and (cross..., local...).
-If the local axes alone still span processes (one axis over several processes), everything
-goes to XLA.
+If the local axes alone still span nodes (one axis over several nodes), everything goes to
+XLA.
 """
 from __future__ import annotations
 
@@ -29,9 +28,9 @@ from jax_hoccl._src import jax_internals as ji
 
 def split(mesh, axes):
   """(local axes, cross axes, {axis: size}); local is () when only XLA can do the op."""
-  cross = tuple(a for a in axes if axes_lib.spans_processes(mesh, (a,)))
+  cross = tuple(a for a in axes if axes_lib.spans_nodes(mesh, (a,)))
   local = tuple(a for a in axes if a not in cross)
-  if local and axes_lib.spans_processes(mesh, local):
+  if local and axes_lib.spans_nodes(mesh, local):
     local, cross = (), tuple(axes)
   return local, cross, {a: int(mesh.shape[a]) for a in axes}
 
@@ -55,7 +54,7 @@ def lowering_for(op: str, ctx, x, **params):
   """The lowering of mover `op` (params: the primitive's) when its group spans processes,
   else None."""
   mesh = ji.concrete_mesh_from_lowering(ctx, op)
-  if not axes_lib.spans_processes(mesh, params["axes"]):
+  if not axes_lib.spans_nodes(mesh, params["axes"]):
     return None
   local, cross, sizes = split(mesh, tuple(params.pop("axes")))
   fn = {"psum": _psum, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,

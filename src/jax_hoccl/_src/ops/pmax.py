@@ -27,11 +27,12 @@ def _impl(x, *, axes, axis_size, op, site):
 
 
 def _lowering(ctx, x, *, axes, axis_size, op, site):
-  across = across_processes.lowering_for(op, ctx, x, axes=axes)
-  if across is not None:
-    return across
-  return ji.lower_fun(_impl, multiple_results=False)(ctx, x, axes=axes, axis_size=axis_size,
-                                                      op=op, site=site)
+  with axes_lib.user_op(op):
+    across = across_processes.lowering_for(op, ctx, x, axes=axes)
+    if across is not None:
+      return across
+    return ji.lower_fun(_impl, multiple_results=False)(ctx, x, axes=axes, axis_size=axis_size,
+                                                        op=op, site=site)
 
 
 def _batch(args, dims, **params):

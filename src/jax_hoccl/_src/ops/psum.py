@@ -127,12 +127,13 @@ def _batch(args, dims, **params):
 
 
 def _lowering(ctx, x, *, axes, axis_size, algorithm, site):
-  # Groups spanning processes: inside with jax_hoccl, across with jax.lax (across_processes).
-  across = across_processes.lowering_for("psum", ctx, x, axes=axes)
-  if across is not None:
-    return across
-  return ji.lower_fun(_impl, multiple_results=False)(
-      ctx, x, axes=axes, axis_size=axis_size, algorithm=algorithm, site=site)
+  with axes_lib.user_op("psum"):
+    # Groups spanning processes: inside with jax_hoccl, across with jax.lax (across_processes).
+    across = across_processes.lowering_for("psum", ctx, x, axes=axes)
+    if across is not None:
+      return across
+    return ji.lower_fun(_impl, multiple_results=False)(
+        ctx, x, axes=axes, axis_size=axis_size, algorithm=algorithm, site=site)
 
 
 psum_p.def_abstract_eval(_abstract_eval)

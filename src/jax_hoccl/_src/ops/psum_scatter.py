@@ -46,11 +46,12 @@ def _batch(args, dims, **params):
 
 
 def _lowering(ctx, x, *, axes, axis_size, site):
-  across = across_processes.lowering_for("reduce_scatter", ctx, x, axes=axes)
-  if across is not None:
-    return across
-  return ji.lower_fun(_impl, multiple_results=False)(ctx, x, axes=axes, axis_size=axis_size,
-                                                      site=site)
+  with axes_lib.user_op("psum_scatter"):
+    across = across_processes.lowering_for("reduce_scatter", ctx, x, axes=axes)
+    if across is not None:
+      return across
+    return ji.lower_fun(_impl, multiple_results=False)(ctx, x, axes=axes, axis_size=axis_size,
+                                                        site=site)
 
 
 reduce_scatter_p.def_abstract_eval(_abstract_eval)

@@ -1,0 +1,59 @@
+#include "job.h"
+
+#include <unistd.h>
+
+#include <map>
+#include <mutex>
+
+namespace hoccl {
+namespace {
+
+std::mutex g_mu;
+JobInfo& JobRef() {
+  static auto* job = new JobInfo();
+  return *job;
+}
+std::map<int64_t, std::string>& SiteNames() {
+  static auto* names = new std::map<int64_t, std::string>();
+  return *names;
+}
+
+}  // namespace
+
+void SetJob(JobInfo info) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  JobRef() = std::move(info);
+}
+
+JobInfo Job() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return JobRef();
+}
+
+int ProcessOf(int64_t device) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  const JobInfo& j = JobRef();
+  if (device < 0 || static_cast<size_t>(device) >= j.device_process.size()) return j.process_index;
+  return static_cast<int>(j.device_process[device]);
+}
+
+bool AllLocal(const std::vector<int64_t>& ids) {
+  const int me = Job().process_index;
+  for (int64_t d : ids)
+    if (ProcessOf(d) != me) return false;
+  return true;
+}
+
+void NameSite(int64_t site, std::string name) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  SiteNames()[site] = std::move(name);
+}
+
+std::string SiteName(int64_t site, const char* mover) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = SiteNames().find(site);
+  if (it == SiteNames().end() || it->second == mover) return mover;
+  return it->second + " (" + mover + ")";
+}
+
+}  // namespace hoccl

@@ -1,0 +1,38 @@
+// The job this process belongs to (jax.distributed), as far as the engines need it: a secret
+// id shared by the job's processes only (names of shared memory and sockets derive from it,
+// so nothing outside the job can guess them), this process's index, and which process owns
+// each global device id and its pid. Set once from Python (src/jax_hoccl/_src/job.py) before
+// the first collective whose group spans processes; without it every device is this
+// process's own (one process driving all local devices).
+#ifndef JAX_HOCCL_JOB_H_
+#define JAX_HOCCL_JOB_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace hoccl {
+
+struct JobInfo {
+  std::string secret;                 // hex, from the job's key-value store
+  int process_index = 0;
+  std::vector<int64_t> device_process;  // device id -> process index (-1: unknown)
+  std::vector<int> process_pids;        // process index -> pid (same node only; else 0)
+};
+
+void SetJob(JobInfo info);
+// A copy of the job (empty secret when no job was set).
+JobInfo Job();
+// Whether every device of `ids` belongs to this process.
+bool AllLocal(const std::vector<int64_t>& ids);
+// The process that owns `device` (this one when no job was set).
+int ProcessOf(int64_t device);
+
+// Names the user's op in errors: the lowering registers `site` -> "psum" (the mover a site
+// runs, e.g. all_gather, may differ from what the user called).
+void NameSite(int64_t site, std::string name);
+std::string SiteName(int64_t site, const char* mover);
+
+}  // namespace hoccl
+
+#endif  // JAX_HOCCL_JOB_H_

@@ -1,0 +1,80 @@
+"""The jax.distributed job as jax_hoccl's engines need it (cc/job.h): which processes share a
+node, their pids, and a secret shared by the job's processes only, from which the names of
+the shared memory and sockets of groups spanning processes derive (nothing outside the job
+can guess them). Found once per process, at the first lowering of a group that spans
+processes, through jax.distributed's key-value store; every process lowers the same programs,
+so all of them get here."""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+
+import numpy as np
+import jax
+
+from jax_hoccl._src import jax_internals as ji
+
+_PREFIX = "jax_hoccl/job/"
+_nodes: list[str] | None = None  # node of each process
+
+
+def node_name() -> str:
+  """This process's node: JAX_HOCCL_NODE if set (tests run several "nodes" on one host),
+  else the host name and kernel boot id (containers of one host that share /dev/shm)."""
+  name = os.environ.get("JAX_HOCCL_NODE", "")
+  if name:
+    return name
+  try:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+      boot = f.read().strip()
+  except OSError:
+    boot = ""
+  return f"{socket.gethostname()}/{boot}"
+
+
+def timeout_s() -> float:
+  """JAX_HOCCL_TIMEOUT_S: seconds to wait for a peer (default 300)."""
+  raw = os.environ.get("JAX_HOCCL_TIMEOUT_S", "")
+  if not raw:
+    return 300.0
+  try:
+    value = float(raw)
+  except ValueError:
+    value = -1.0
+  if not value > 0:
+    raise ValueError(f"JAX_HOCCL_TIMEOUT_S must be a positive number of seconds, got {raw!r}")
+  return value
+
+
+def nodes() -> list[str]:
+  """The node of every process, after telling the C++ engines about the job (once)."""
+  global _nodes
+  if _nodes is not None:
+    return _nodes
+  n, me = jax.process_count(), jax.process_index()
+  client = ji.distributed_client()
+  if n == 1 or client is None:
+    _nodes = [node_name()] * n
+    return _nodes
+  wait_ms = int(timeout_s() * 1000)
+  if me == 0:
+    client.key_value_set(_PREFIX + "secret", secrets.token_hex(16))
+  client.key_value_set(_PREFIX + f"process/{me}", f"{os.getpid()} {node_name()}")
+  secret = client.blocking_key_value_get(_PREFIX + "secret", wait_ms)
+  procs = [client.blocking_key_value_get(_PREFIX + f"process/{i}", wait_ms).split(" ", 1)
+           for i in range(n)]
+  found = [node for _, node in procs]
+  pids = [int(pid) if found[i] == found[me] else 0 for i, (pid, _) in enumerate(procs)]
+  devices = jax.devices()
+  owner = np.full(max(d.id for d in devices) + 1, -1, np.int64)
+  for d in devices:
+    owner[d.id] = d.process_index
+  from jax_hoccl._src import ffi_targets
+  ffi_targets.set_job(secret, me, owner.tolist(), pids)
+  _nodes = found
+  return _nodes
+
+
+def node_of_device(device) -> str:
+  return nodes()[device.process_index]
