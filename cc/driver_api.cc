@@ -4,6 +4,7 @@
 
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 namespace hoccl {
 
@@ -42,6 +43,28 @@ std::string Resolve(const char* name, Fn* out) {
   return "";
 }
 
+// Our pointer types must match cuda.h's declarations (decltype does not reference the
+// symbols, so nothing links against libcuda). cuMemGetAddressRange is cuda.h's macro for _v2,
+// the version kDriverAbiVersion resolves.
+#define HOCCL_SAME_SIGNATURE(type, fn) \
+  static_assert(std::is_same<DriverApi::type, decltype(&::fn)>::value, #fn " signature")
+HOCCL_SAME_SIGNATURE(MemGetAddressRangeFn, cuMemGetAddressRange);
+HOCCL_SAME_SIGNATURE(PointerGetAttributesFn, cuPointerGetAttributes);
+HOCCL_SAME_SIGNATURE(MemRetainAllocationHandleFn, cuMemRetainAllocationHandle);
+HOCCL_SAME_SIGNATURE(MemReleaseFn, cuMemRelease);
+HOCCL_SAME_SIGNATURE(MemExportToShareableHandleFn, cuMemExportToShareableHandle);
+HOCCL_SAME_SIGNATURE(MemImportFromShareableHandleFn, cuMemImportFromShareableHandle);
+HOCCL_SAME_SIGNATURE(MemGetAllocationPropertiesFromHandleFn,
+                     cuMemGetAllocationPropertiesFromHandle);
+HOCCL_SAME_SIGNATURE(MemCreateFn, cuMemCreate);
+HOCCL_SAME_SIGNATURE(MemGetAllocationGranularityFn, cuMemGetAllocationGranularity);
+HOCCL_SAME_SIGNATURE(MemAddressReserveFn, cuMemAddressReserve);
+HOCCL_SAME_SIGNATURE(MemAddressFreeFn, cuMemAddressFree);
+HOCCL_SAME_SIGNATURE(MemMapFn, cuMemMap);
+HOCCL_SAME_SIGNATURE(MemUnmapFn, cuMemUnmap);
+HOCCL_SAME_SIGNATURE(MemSetAccessFn, cuMemSetAccess);
+#undef HOCCL_SAME_SIGNATURE
+
 }  // namespace
 
 std::string DriverApi::Describe(const char* call, CUresult result) const {
@@ -64,6 +87,28 @@ const DriverApi& GetDriverApi() {
     }
     if (!Resolve("cuStreamBatchMemOp", &a->batch_mem_op).empty()) a->batch_mem_op = nullptr;
     if (!Resolve("cuGetErrorString", &a->get_error_string).empty()) a->get_error_string = nullptr;
+    // All or nothing: a partial set would fail halfway through a mapping.
+    const std::string vmm[] = {
+        Resolve("cuMemGetAddressRange", &a->mem_get_address_range),
+        Resolve("cuPointerGetAttributes", &a->pointer_get_attributes),
+        Resolve("cuMemRetainAllocationHandle", &a->mem_retain_allocation_handle),
+        Resolve("cuMemRelease", &a->mem_release),
+        Resolve("cuMemExportToShareableHandle", &a->mem_export_to_shareable_handle),
+        Resolve("cuMemImportFromShareableHandle", &a->mem_import_from_shareable_handle),
+        Resolve("cuMemGetAllocationPropertiesFromHandle",
+                &a->mem_get_allocation_properties_from_handle),
+        Resolve("cuMemCreate", &a->mem_create),
+        Resolve("cuMemGetAllocationGranularity", &a->mem_get_allocation_granularity),
+        Resolve("cuMemAddressReserve", &a->mem_address_reserve),
+        Resolve("cuMemAddressFree", &a->mem_address_free),
+        Resolve("cuMemMap", &a->mem_map),
+        Resolve("cuMemUnmap", &a->mem_unmap),
+        Resolve("cuMemSetAccess", &a->mem_set_access),
+    };
+    for (const std::string& e : vmm) {
+      if (!e.empty() && a->vmm_error.empty())
+        a->vmm_error = "cross-process peer memory needs the CUDA virtual memory API: " + e;
+    }
     return a;
   }();
   return *api;

@@ -112,11 +112,25 @@ void Unlink(const std::string& name) {
 
 std::vector<std::string> LinkedSharedMemory() {
   std::lock_guard<std::mutex> lock(g_names_mu);
-  return {LinkedNames().begin(), LinkedNames().end()};
+  std::vector<std::string> linked;
+  for (auto it = LinkedNames().begin(); it != LinkedNames().end();) {
+    // Another process of the group may have unlinked it (the last to map it does).
+    if (access(("/dev/shm" + *it).c_str(), F_OK) == 0) {
+      linked.push_back(*it++);
+    } else {
+      it = LinkedNames().erase(it);
+    }
+  }
+  return linked;
 }
 
 void UnlinkSharedMemory() {
-  for (const std::string& name : LinkedSharedMemory()) Unlink(name);
+  std::vector<std::string> names;
+  {
+    std::lock_guard<std::mutex> lock(g_names_mu);
+    names.assign(LinkedNames().begin(), LinkedNames().end());
+  }
+  for (const std::string& name : names) Unlink(name);
 }
 
 // ---------------------------------------------------------------- attaching
@@ -160,7 +174,20 @@ void Backoff(int iteration) {
   }
 }
 
-bool ProcessExited(int pid) { return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH; }
+// Gone, or a zombie its parent has not reaped yet (a launcher may wait on another child).
+bool ProcessExited(int pid) {
+  if (pid <= 0) return false;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  char path[64], buf[256];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  FILE* f = std::fopen(path, "r");
+  if (!f) return false;
+  size_t len = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[len] = '\0';
+  const char* paren = std::strrchr(buf, ')');  // "pid (comm) S ..."
+  return paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
+}
 
 }  // namespace
 
@@ -235,6 +262,21 @@ std::string NodeRendezvous::Describe(int rank) const {
          (pid ? ", pid " + std::to_string(pid) : std::string()) + ")";
 }
 
+// What `peer` has published and its peers have not all taken yet: the calls it is in.
+std::string NodeRendezvous::PublishedBy(int peer) const {
+  std::string calls;
+  for (int i = 0; i < kRingEntries; ++i) {
+    Entry& e = seg_->box[peer].ring[i];
+    const uint64_t v = e.version.load(std::memory_order_acquire);
+    if (v % 2 || e.readers_left.load(std::memory_order_acquire) == 0) continue;
+    char seen[kWhatBytes];
+    std::memcpy(seen, e.what, kWhatBytes);
+    seen[kWhatBytes - 1] = '\0';
+    if (e.version.load(std::memory_order_acquire) == v) calls += (calls.empty() ? "" : ", ") + std::string(seen);
+  }
+  return calls.empty() ? " (in no jax_hoccl call)" : " (which is in " + calls + ")";
+}
+
 std::string NodeRendezvous::Fail(const std::string& msg) {
   std::lock_guard<std::mutex> lock(mu_);
   if (broken_.empty()) broken_ = msg;
@@ -278,7 +320,7 @@ std::string NodeRendezvous::WaitFor(int rank, const std::vector<int>& peers, con
     } else {
       msg += "timed out after " + std::to_string(static_cast<int>(TimeoutSeconds())) +
              " s (JAX_HOCCL_TIMEOUT_S) waiting for " + waiting_for + " from peer(s):";
-      for (int p : peers) msg += " " + Describe(p) + ";";
+      for (int p : peers) msg += " " + Describe(p) + PublishedBy(p) + ";";
       msg += " every process must call the same collectives in the same order.";
     }
     return Fail(msg + " This group is now unusable; restart the job.");

@@ -84,6 +84,7 @@ class NodeRendezvous {
 
  private:
   std::string Describe(int rank) const;
+  std::string PublishedBy(int peer) const;
   std::string Fail(const std::string& msg);
   // Waits until `ready` is true; "" or the timeout / peer-exit error (naming `waiting_for`).
   template <typename Pred>

@@ -1,17 +1,20 @@
-"""Several processes (jax.distributed, the multi-node case on CPU): the collectives over
-groups that span processes compose jax_hoccl inside each process with XLA's collectives
-across them (ops/across_processes.py) and equal jax.lax; async pairs over such groups are
-rejected at lowering with a clear error instead of hanging in a rendezvous the other process
-can never join."""
+"""Several processes (jax.distributed on localhost, CPU): groups inside one node run on
+jax_hoccl's engine across the processes (shared-memory rendezvous and staging,
+cc/node_rendezvous.h, cc/cpu_cross_process.h) and equal jax.lax (gloo); groups across nodes
+(JAX_HOCCL_NODE gives each process its own) compose jax_hoccl inside each node with XLA's
+collectives between them; async pairs across nodes are rejected at lowering."""
 import os
 import socket
 import subprocess
 import sys
 import textwrap
 
+import pytest
+
 WORKER = textwrap.dedent("""
     import os, sys
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    os.environ["JAX_HOCCL_NODE"] = "node" + sys.argv[2]  # each process its own node
     import jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
@@ -37,27 +40,43 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _run_two_processes(tmp_path, worker: str, timeout: float):
-  """Runs `worker` as processes 0 and 1 of a jax.distributed job on localhost; their output."""
+def _run_processes(tmp_path, worker: str, timeout: float, n: int = 2, env=None):
+  """Runs `worker` as processes 0..n-1 of a jax.distributed job on localhost (argv: address,
+  process id, n); their output."""
   script = tmp_path / "worker.py"
   script.write_text(worker)
   addr = f"127.0.0.1:{_free_port()}"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  procs = [subprocess.Popen([sys.executable, "-P", str(script), addr, str(i)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
-  return [p.communicate(timeout=timeout)[0] for p in procs]
+  base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_HOCCL_NODE")}
+  procs = [subprocess.Popen([sys.executable, "-P", str(script), addr, str(i), str(n)],
+                            env={**base, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+           for i in range(n)]
+  try:
+    return [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
 
 
-def test_group_across_processes_is_rejected(tmp_path):
+def _run_two_processes(tmp_path, worker: str, timeout: float, env=None):
+  return _run_processes(tmp_path, worker, timeout, 2, env)
+
+
+def _no_shared_memory_left():
+  return [f for f in os.listdir("/dev/shm") if f.startswith("jax_hoccl-")]
+
+
+def test_async_pair_across_nodes_is_rejected(tmp_path):
   for out in _run_two_processes(tmp_path, WORKER, timeout=120):
     assert "REJECTED:" in out, out[-2000:]
-    assert "spans several processes" in out
+    assert "spans several nodes" in out
 
 
 HIERARCHICAL_WORKER = textwrap.dedent("""
     import os, sys
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    if os.environ.get("SPLIT_NODES"):
+        os.environ["JAX_HOCCL_NODE"] = "node" + sys.argv[2]  # each process its own node
     import jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
@@ -117,18 +136,229 @@ HIERARCHICAL_WORKER = textwrap.dedent("""
     got, ref = (run(lambda v: m.all_gather(v, ("node", "local"), tiled=True, to="invarying"),
                     out_specs=P()) for m in (jax_hoccl, jax.lax))
     assert max(float(np.abs(g - r).max()) for g, r in zip(got, ref)) < 1e-5
-    # The local part really runs on jax_hoccl's engine, the cross part on XLA's.
+    # The local part really runs on jax_hoccl's engine, the cross part on XLA's; in one node
+    # nothing is left to XLA.
+    xla = ("stablehlo.all_gather", "stablehlo.all_reduce", "stablehlo.all_to_all",
+           "stablehlo.collective_permute", "stablehlo.reduce_scatter")
     for name, make in cases.items():
         text = jax.jit(jax.shard_map(make(jax_hoccl, ("node", "local")), mesh=mesh,
                                      in_specs=spec, out_specs=spec)).lower(x).as_text()
-        assert "hoccl_" in text or name in ("all_to_all", "ppermute"), name
+        if os.environ.get("SPLIT_NODES"):
+            assert "hoccl_" in text or name in ("all_to_all", "ppermute"), name
+        else:
+            assert "hoccl_" in text and not any(c in text for c in xla), name
     print("HIERARCHICAL_OK", flush=True)
 """)
 
 
-def test_collectives_across_processes_equal_lax(tmp_path):
-  """Every collective over axes that span processes ("nodes") — both axes, the cross one
+def test_collectives_across_nodes_equal_lax(tmp_path):
+  """Every collective over axes that span nodes (one process each) — both axes, the cross one
   alone, both in the other order — with check_vma on and off and under grad: jax_hoccl
-  inside each process, XLA's collective across them; equal to jax.lax."""
+  inside each node, XLA's collective across them; equal to jax.lax."""
+  for out in _run_two_processes(tmp_path, HIERARCHICAL_WORKER, timeout=300,
+                                env={"SPLIT_NODES": "1"}):
+    assert "HIERARCHICAL_OK" in out, out[-3000:]
+
+
+def test_collectives_across_processes_of_one_node_equal_lax(tmp_path):
+  """The same programs with both processes on one node: every group runs on jax_hoccl's
+  engine across the processes (no XLA collective in the program) and equals jax.lax."""
   for out in _run_two_processes(tmp_path, HIERARCHICAL_WORKER, timeout=300):
     assert "HIERARCHICAL_OK" in out, out[-3000:]
+  assert not _no_shared_memory_left()
+
+
+ONE_NODE_WORKER = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    me, n = int(sys.argv[2]), int(sys.argv[3])
+    jax.distributed.initialize(sys.argv[1], num_processes=n, process_id=me)
+    import numpy as np, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jax_hoccl
+    from jax_hoccl import _hoccl
+    mesh = jax.make_mesh((n,), ("tp",))
+    spec = P("tp")
+    rng = np.random.default_rng(me)
+    XLA = ("stablehlo.all_gather", "stablehlo.all_reduce", "stablehlo.all_to_all",
+           "stablehlo.collective_permute", "stablehlo.reduce_scatter")
+
+    def shard(local):
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local)
+
+    def run(fn, *args, out_specs=spec, check=True):
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(args),
+                                  out_specs=out_specs))
+        if check:
+            text = f.lower(*args).as_text()
+            assert "hoccl_" in text and not any(c in text for c in XLA), text[-2000:]
+        return [np.asarray(s.data, np.float64) for s in jax.tree.leaves(f(*args))[0].addressable_shards]
+
+    def same(name, got, ref, tol):
+        err = max(float(np.abs(g - r).max()) for g, r in zip(got, ref))
+        assert err <= tol, (name, err)
+
+    cases = {
+        "psum": lambda m: (lambda v: m.psum(v, "tp")),
+        "pmean": lambda m: (lambda v: m.pmean(v, "tp")),
+        "pmax": lambda m: (lambda v: m.pmax(v, "tp")),
+        "pmin": lambda m: (lambda v: m.pmin(v, "tp")),
+        "all_gather": lambda m: (lambda v: m.all_gather(v, "tp", tiled=True)),
+        "all_gather axis=1": lambda m: (lambda v: m.all_gather(v, "tp", axis=1)),
+        "psum_scatter": lambda m: (lambda v: m.psum_scatter(v, "tp", tiled=True)),
+        "all_to_all": lambda m: (lambda v: m.all_to_all(v, "tp", 0, 0, tiled=True)),
+        "ppermute": lambda m: (lambda v: m.ppermute(v, "tp", [(i, (i + 1) % n) for i in range(n)])),
+        "ppermute partial": lambda m: (lambda v: m.ppermute(v, "tp", [(0, n - 1)])),
+    }
+    for dtype in (np.float32, jnp.bfloat16, np.int32, np.int8):
+        # 3 * n rows of 13: no size is a multiple of a chunk.
+        local = (rng.standard_normal((3 * n, 13)) * 4).astype(dtype)
+        x = shard(local)
+        for name, make in cases.items():
+            if name == "pmean" and dtype == np.int8:
+                continue
+            tol = 0.05 if dtype == jnp.bfloat16 else 1e-5
+            same(name, run(make(jax_hoccl), x), run(make(jax.lax), x, check=False), tol)
+        print("OK ops", np.dtype(dtype).name, flush=True)
+
+    # Async pairs: compute between start and done.
+    x = shard(rng.standard_normal((2 * n, 8)).astype(np.float32))
+    def pair(start, **kw):
+        def f(v):
+            pending = start(v, "tp", **kw)
+            h = pending.after_start(v * 2.0)
+            out, h = jax_hoccl.done(pending, h)
+            return out + 0 * h.sum()
+        return f
+    same("psum_start", run(pair(jax_hoccl.psum_start), x), run(lambda v: jax.lax.psum(v, "tp"), x, check=False), 1e-5)
+    same("all_gather_start", run(pair(jax_hoccl.all_gather_start, tiled=True), x),
+         run(lambda v: jax.lax.all_gather(v, "tp", tiled=True), x, check=False), 0)
+    same("ppermute_start", run(pair(jax_hoccl.ppermute_start, perm=[(i, (i + 1) % n) for i in range(n)]), x),
+         run(lambda v: jax.lax.ppermute(v, "tp", [(i, (i + 1) % n) for i in range(n)]), x, check=False), 0)
+    print("OK async", flush=True)
+
+    # Fused ops against jax.lax's unfused programs.
+    k = 16
+    xa = shard(rng.standard_normal((4, k)).astype(np.float32))
+    w = jnp.asarray(np.random.default_rng(7).standard_normal((k, 8)).astype(np.float32))
+    fused = {
+        "all_gather_matmul": (lambda v: jax_hoccl.all_gather_matmul(v, w, "tp"),
+                              lambda v: jax.lax.all_gather(v, "tp", tiled=True) @ w),
+        "matmul_reduce_scatter": (lambda v: jax_hoccl.matmul_reduce_scatter(jnp.tile(v, (n, 1)), w, "tp"),
+                                  lambda v: jax.lax.psum_scatter(jnp.tile(v, (n, 1)) @ w, "tp", tiled=True)),
+        "matmul_psum": (lambda v: jax_hoccl.matmul_psum(jnp.tile(v, (n, 1)), w, "tp"),
+                        lambda v: jax.lax.psum(jnp.tile(v, (n, 1)) @ w, "tp")),
+        "matmul_all_to_all": (lambda v: jax_hoccl.matmul_all_to_all(jnp.tile(v, (n, 1)).reshape(n, 4, k), w, "tp"),
+                              lambda v: jax.lax.all_to_all(jnp.matmul(jnp.tile(v, (n, 1)).reshape(n, 4, k), w), "tp", 0, 0, tiled=True)),
+    }
+    for name, (ours, ref) in fused.items():
+        same(name, run(ours, xa, check=False), run(ref, xa, check=False), 1e-4)
+    table = shard(rng.standard_normal((32, 8)).astype(np.float32))
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, 32, (n, 5, 3)), jnp.int32)
+    same("embedding_all_to_all",
+         run(lambda t: jax_hoccl.embedding_all_to_all(t, ids, "tp"), table, check=False),
+         run(lambda t: jax.lax.all_to_all(jnp.take(t, ids, axis=0).sum(-2), "tp", 0, 0, tiled=True),
+             table, check=False), 1e-4)
+    print("OK fused", flush=True)
+
+    # 1000 calls: no fd, mapping or rendezvous entry left over.
+    fds = len(os.listdir("/proc/self/fd"))
+    f = jax.jit(jax.shard_map(lambda v: jax_hoccl.psum(v, "tp"), mesh=mesh, in_specs=spec, out_specs=spec))
+    y = shard(np.full((n, 4), 1.0, np.float32))
+    for i in range(1000):
+        y = f(y) / n
+    y.block_until_ready()
+    assert np.allclose(np.asarray(y.addressable_shards[0].data), 1.0)
+    assert len(os.listdir("/proc/self/fd")) <= fds + 2, (fds, os.listdir("/proc/self/fd"))
+    mappings = _hoccl.live_staging_mappings()
+    assert mappings <= 64, mappings
+    assert not _hoccl.linked_shared_memory(), _hoccl.linked_shared_memory()
+    print("OK leaks", fds, mappings, flush=True)
+    print("ONE_NODE_OK", flush=True)
+""")
+
+
+def test_every_op_across_processes_of_one_node(tmp_path):
+  """4 processes, one device each, on one node: every collective on 4 dtypes and sizes that
+  are multiples of no chunk, async pairs and fused ops equal jax.lax (gloo); the programs
+  contain no XLA collective; 1000 calls leave no fd, mapping or shared memory behind."""
+  outs = _run_processes(tmp_path, ONE_NODE_WORKER, timeout=600, n=4)
+  for out in outs:
+    assert "ONE_NODE_OK" in out, out[-3000:]
+  assert not _no_shared_memory_left()
+
+
+PEER_FAILURE_WORKER = textwrap.dedent("""
+    import os, sys, time
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    import jax
+    me, n = int(sys.argv[2]), int(sys.argv[3])
+    jax.distributed.initialize(sys.argv[1], num_processes=n, process_id=me)
+    import numpy as np, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jax_hoccl
+    mesh = jax.make_mesh((n,), ("tp",))
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("tp")), np.ones(4, np.float32))
+    psum = jax.jit(jax.shard_map(lambda v: jax_hoccl.psum(v, "tp"), mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+    gather = jax.jit(jax.shard_map(lambda v: jax_hoccl.all_gather(v, "tp"), mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+    psum(x).block_until_ready()  # the group is set up
+    mode = os.environ["MODE"]
+    t0 = time.time()
+    try:
+        if me == 1 and mode == "exit":
+            os._exit(0)
+        if me == 1 and mode == "absent":
+            time.sleep(30)
+            os._exit(0)
+        if mode == "other op" and me == 1:
+            gather(x).block_until_ready()
+        elif mode == "other shape" and me == 1:
+            psum(jax.make_array_from_process_local_data(NamedSharding(mesh, P("tp")),
+                                                        np.ones(8, np.float32))).block_until_ready()
+        else:
+            psum(x).block_until_ready()
+    except Exception as e:
+        print("ERROR after %.1f s:" % (time.time() - t0), str(e).replace(chr(10), " "), flush=True)
+    else:
+        print("NO ERROR", flush=True)
+    time.sleep(3)  # let the peer time out on its own before this process is gone
+    os._exit(0)  # skip jax.distributed's shutdown barrier, which the dead peer cannot join
+""")
+
+
+def _peer_failure(tmp_path, mode):
+  return _run_two_processes(tmp_path, PEER_FAILURE_WORKER, timeout=120,
+                            env={"MODE": mode, "JAX_HOCCL_TIMEOUT_S": "5"})
+
+
+def test_peer_that_never_calls_times_out_naming_the_op(tmp_path):
+  out = _peer_failure(tmp_path, "absent")[0]
+  assert "ERROR after" in out, out[-2000:]
+  assert "jax_hoccl psum" in out and "timed out after 5 s" in out, out[-2000:]
+  assert "from peer(s): rank 1 (device " in out and ", process 1, pid" in out, out[-2000:]
+  assert not _no_shared_memory_left()
+
+
+def test_peer_process_that_exits_is_reported_not_waited_for(tmp_path):
+  out = _peer_failure(tmp_path, "exit")[0]
+  assert "ERROR after" in out, out[-2000:]
+  seconds = float(out.split("ERROR after ")[1].split(" s")[0])
+  assert "exited" in out and "jax_hoccl psum" in out, out[-2000:]
+  assert seconds < 5, out[-2000:]  # found dead before the timeout
+  assert not _no_shared_memory_left()
+
+
+@pytest.mark.parametrize("mode,theirs", [("other op", "all_gather of 16 bytes"),
+                                         ("other shape", "psum (all_gather) of 32 bytes")])
+def test_a_peer_in_another_call_is_named_in_the_timeout(tmp_path, mode, theirs):
+  """On CPU the ranks' calls pair by instruction (XLA:CPU may run independent ones in any
+  order), so a peer in another call (another op, or another shape: another program) is found
+  out by the timeout, whose message names both calls. (On CUDA, where calls pair by stream
+  order, the same is an immediate mismatch error: tests/test_gpu_multiprocess.py.)"""
+  outs = _peer_failure(tmp_path, mode)
+  for out in outs:
+    assert "ERROR after" in out and "timed out" in out, out[-2000:]
+  assert f"(which is in {theirs}" in outs[0], outs[0][-2000:]  # rank 1's call, seen by rank 0
+  assert "(which is in psum (all_gather) of 16 bytes" in outs[1], outs[1][-2000:]
