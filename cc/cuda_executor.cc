@@ -16,6 +16,8 @@
 #include <utility>
 
 #include "driver_api.h"
+#include "job.h"
+#include "transport_ipc.h"
 #include "host_profile.h"
 
 namespace hoccl {
@@ -92,7 +94,8 @@ std::string DirectTransport::ExchangeFlags(int rank, uint64_t* my_flags,
 std::string DirectTransport::ExchangeBuffers(uint64_t seq, int rank, const void* input,
                                              void* /*output: pulls need only inputs*/,
                                              const std::vector<int>& peers,
-                                             std::vector<const void*>* inputs, const char* op) {
+                                             std::vector<const void*>* inputs, const char* op,
+                                             const std::string& /*what: one program, one process*/) {
   comm_.Arrive(seq, rank, input);
   // The peers' handler threads usually arrive within microseconds: spin a little before
   // sleeping on the condition variable (a futex wake-up costs tens of microseconds, which
@@ -115,6 +118,13 @@ std::string DirectTransport::ExchangeBuffers(uint64_t seq, int rank, const void*
 }
 
 void DirectTransport::Release(uint64_t seq, int rank) { comm_.Leave(seq, rank); }
+
+std::string PeerTransport::AllocFlags(size_t bytes, void** flags) {
+  cudaError_t e = cudaMalloc(flags, bytes);
+  if (e != cudaSuccess)
+    return std::string("cudaMalloc(flags) failed: ") + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
+  return "";
+}
 
 // ---------------------------------------------------------------- helpers
 
@@ -280,8 +290,8 @@ std::string SetupRank(RankState& st, PeerTransport& transport, const OpSpec& spe
   // Allocate and zero my flags before anyone can learn their address.
   size_t bytes = (kLanes * 2 * static_cast<size_t>(n) * sizeof(uint64_t) + 255) / 256 * 256;
   void* p = nullptr;
-  cudaError_t e = cudaMalloc(&p, bytes);
-  if (e != cudaSuccess) err = CudaError("cudaMalloc(flags)", e);
+  cudaError_t e = cudaSuccess;
+  err = transport.AllocFlags(bytes, &p);
   if (err.empty()) {
     e = cudaMemsetAsync(p, 0, bytes, stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
@@ -297,7 +307,7 @@ std::string SetupRank(RankState& st, PeerTransport& transport, const OpSpec& spe
     if (!all[q]) {
       return "rank " + std::to_string(q) + " of the group failed its one-time setup (see its error)";
     }
-    if (q == spec.rank) continue;
+    if (q == spec.rank || !transport.NeedsPeerAccess()) continue;
     cudaPointerAttributes attr;
     HOCCL_CUDA_RETURN(cudaPointerGetAttributes(&attr, all[q]));
     err = EnablePeerAccess(device, attr.device);
@@ -465,7 +475,14 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   if (!err.empty()) return {ErrorKind::kInternal, std::string("jax_hoccl ") + op + ": " + err};
   const std::string prefix = Prefix(spec, device);
   HOCCL_TRACE("%s rank %d: CUDA device %d\n", op, spec.rank, device);
-  DirectTransport transport(comm);
+  // Peers in this process: their buffers' addresses are ours. Else the node's IPC transport.
+  DirectTransport direct(comm);
+  std::unique_ptr<PeerTransport> ipc;
+  if (!AllLocal(comm.device_ids())) {
+    err = IpcTransport::Make(comm, device, op, &ipc);
+    if (!err.empty()) return {ErrorKind::kUnavailable, prefix + err};
+  }
+  PeerTransport& transport = ipc ? *ipc : static_cast<PeerTransport&>(direct);
 
   RankState& st = RankStateFor(&comm, spec.rank);
   {
@@ -505,7 +522,9 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   inputs[r] = input;
   {
     HostTimer timer("rendezvous");  // mostly waiting for the peers' handler threads
-    err = transport.ExchangeBuffers(seq, r, input, output, peers, &inputs, op);
+    const std::string what = std::string(op) + " of " + std::to_string(spec.bytes) +
+                             " bytes (lane " + std::to_string(lane) + ")";
+    err = transport.ExchangeBuffers(seq, r, input, output, peers, &inputs, op, what);
   }
   if (!err.empty()) return {ErrorKind::kDeadline, err};
   HOCCL_TRACE("%s rank %d: seq %llu rendezvous done, %zu steps, multi %d\n", op, r,

@@ -71,19 +71,25 @@ size_t BlockBytes(const OpSpec& spec);
 // JAX_HOCCL_CHANNELS override either (read at every call).
 PlanOptions ChooseCudaPlanOptions(const OpSpec& spec);
 
-// How a rank learns its peers' memory. Direct mode: same-process pointers through the
-// communicator's host rendezvous. A multi-process transport would open IPC handles instead.
+// How a rank learns its peers' memory: DirectTransport (below) for peers in this process,
+// IpcTransport (transport_ipc.h) for peers in other processes of the node.
 class PeerTransport {
  public:
   virtual ~PeerTransport() = default;
+  // One-time: device memory for my flag array that peers can reach (zeroed by the caller).
+  virtual std::string AllocFlags(size_t bytes, void** flags);
+  // Whether peers' memory needs cudaDeviceEnablePeerAccess (an IPC mapping grants its own).
+  virtual bool NeedsPeerAccess() const { return true; }
   // One-time: publish my flag array, learn every rank's (indexed by rank, mine included).
   virtual std::string ExchangeFlags(int rank, uint64_t* my_flags, std::vector<uint64_t*>* all,
                                     const char* op) = 0;
   // Per call: publish my buffers for `seq`, wait until every rank in `peers` published, and
-  // return their input addresses in (*inputs)[peer] (valid until Release).
+  // return their input addresses in (*inputs)[peer] (valid until Release). `what` describes
+  // the call; peers that describe theirs differently are a mismatch error.
   virtual std::string ExchangeBuffers(uint64_t seq, int rank, const void* input, void* output,
                                       const std::vector<int>& peers,
-                                      std::vector<const void*>* inputs, const char* op) = 0;
+                                      std::vector<const void*>* inputs, const char* op,
+                                      const std::string& what) = 0;
   virtual void Release(uint64_t seq, int rank) = 0;
 };
 
@@ -95,7 +101,7 @@ class DirectTransport : public PeerTransport {
                             const char* op) override;
   std::string ExchangeBuffers(uint64_t seq, int rank, const void* input, void* output,
                               const std::vector<int>& peers, std::vector<const void*>* inputs,
-                              const char* op) override;
+                              const char* op, const std::string& what) override;
   void Release(uint64_t seq, int rank) override;
 
  private:
