@@ -11,6 +11,9 @@
 #include "cpu_cross_process.h"
 #include "job.h"
 #include "node_rendezvous.h"
+#ifdef JAX_HOCCL_WITH_CUDA
+#include "ipc_memory.h"
+#endif
 #include "handlers.h"
 #include "host_profile.h"
 #include "plan.h"
@@ -116,6 +119,8 @@ NB_MODULE(_hoccl, m) {
   m.def("host_profile", &hoccl::HostProfileSnapshot, nb::arg("reset") = false,
         "(phase, calls, ns) of host time inside the handlers; set JAX_HOCCL_PROFILE=1 first");
 #ifdef JAX_HOCCL_WITH_CUDA
+  m.def("live_peer_mappings", &hoccl::LivePeerMappings,
+        "peer allocations of other processes mapped by this one (cc/ipc_memory.h)");
   m.attr("with_cuda") = true;
 #else
   m.attr("with_cuda") = false;

@@ -34,6 +34,11 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -8
 
 if [ "$PHASE" != bench ]; then
+echo "== one process per GPU: two processes sharing GPU 0 (before this shell's pytest holds the GPU)"
+timeout 500 $PY -m pytest tests/test_gpu_multiprocess.py -q -x -s -p no:cacheprovider 2>&1 | tee "$OUTDIR/gpu_multiprocess.log" | grep -E "TIME|OK |passed|failed|Error|assert" | tail -30
+SUMMARY+=("gpu multiprocess tests: $(grep -E '(passed|failed|error)' "$OUTDIR/gpu_multiprocess.log" | tail -1)")
+mapfile -t TIMES < <(grep "^TIME" "$OUTDIR/gpu_multiprocess.log" | sort -u | head -6)
+SUMMARY+=("${TIMES[@]}")
 echo "== GPU tests"
 timeout 300 $PY -m pytest tests/test_gpu.py tests/test_gpu_rows_matmul.py -q -x -p no:cacheprovider 2>&1 | tee "$OUTDIR/gpu_tests.log" | tail -25
 SUMMARY+=("gpu tests: $(grep -E '(passed|failed|error)' "$OUTDIR/gpu_tests.log" | tail -1)")

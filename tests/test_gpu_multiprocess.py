@@ -1,0 +1,231 @@
+"""One process per GPU on the CUDA engine, run as two JAX processes sharing one GPU (a 2-device
+mesh; jax.lax's NCCL refuses two ranks on one GPU, so results are checked against numpy):
+every op and dtype on random data of sizes no chunk divides, async pairs and fused ops, 1,000
+back-to-back calls without leaks, a peer that never calls, a peer that exits, and calls that
+do not match. Skipped without a GPU; this file must run in a pytest process that has not
+started JAX on the GPU itself (scripts/gpu_check.sh runs it first)."""
+import glob
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+HAS_GPU = bool(glob.glob("/dev/nvidia[0-9]*")) and any(
+    importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
+
+PRELUDE = textwrap.dedent("""
+    import os, sys, time
+    import jax
+    me, n = int(sys.argv[2]), int(sys.argv[3])
+    jax.distributed.initialize(sys.argv[1], num_processes=n, process_id=me, local_device_ids=[0])
+    import numpy as np, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jax_hoccl
+    from jax_hoccl import _hoccl
+    assert jax.devices()[0].platform == "gpu", jax.devices()
+    mesh = jax.make_mesh((n,), ("tp",))
+    spec = P("tp")
+
+    def shard(local):
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local)
+
+    def fn(body, out_specs=spec):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=out_specs))
+
+    def mine(y):
+        return np.asarray(y.addressable_shards[0].data).astype(np.float64)
+""")
+
+OPS_WORKER = PRELUDE + textwrap.dedent("""
+    def data(rank, rows, cols, dtype):
+        v = np.random.default_rng(100 + rank).standard_normal((rows, cols)) * 4
+        return v.astype(dtype)
+
+    shift = [(i, (i + 1) % n) for i in range(n)]
+    cases = {  # name: (ours, numpy reference from every rank's data `xs`)
+        "psum": (lambda v: jax_hoccl.psum(v, "tp"), lambda xs: sum(xs)),
+        "pmean": (lambda v: jax_hoccl.pmean(v, "tp"), lambda xs: sum(xs) / n),
+        "pmax": (lambda v: jax_hoccl.pmax(v, "tp"), lambda xs: np.max(xs, 0)),
+        "pmin": (lambda v: jax_hoccl.pmin(v, "tp"), lambda xs: np.min(xs, 0)),
+        "all_gather": (lambda v: jax_hoccl.all_gather(v, "tp", tiled=True), lambda xs: np.concatenate(xs)),
+        "all_gather axis=1": (lambda v: jax_hoccl.all_gather(v, "tp", axis=1), lambda xs: np.stack(xs, 1)),
+        "psum_scatter": (lambda v: jax_hoccl.psum_scatter(v, "tp", tiled=True),
+                         lambda xs: np.split(sum(xs), n)[me]),
+        "all_to_all": (lambda v: jax_hoccl.all_to_all(v, "tp", 0, 0, tiled=True),
+                       lambda xs: np.concatenate([np.split(x, n)[me] for x in xs])),
+        "ppermute": (lambda v: jax_hoccl.ppermute(v, "tp", shift), lambda xs: xs[(me - 1) % n]),
+        "ppermute partial": (lambda v: jax_hoccl.ppermute(v, "tp", [(0, n - 1)]),
+                             lambda xs: xs[0] if me == n - 1 else 0 * xs[0]),
+    }
+    checked = 0
+    for dtype in (np.float32, jnp.bfloat16, np.float16, np.int32, np.int8):
+        for rows, cols in ((3 * n, 13), (2 * n, (1 << 18) + 3)):  # 156 B and ~2 MiB per rank
+            xs = [data(r, rows, cols, dtype).astype(np.float64) for r in range(n)]
+            x = shard(data(me, rows, cols, dtype))
+            for name, (ours, ref) in cases.items():
+                if name == "pmean" and np.dtype(dtype).kind == "i":
+                    continue
+                want = ref(xs)
+                got = mine(fn(ours)(x))
+                tol = 0.1 if dtype in (jnp.bfloat16, np.float16) else 1e-4
+                if np.dtype(dtype).kind == "i":  # integer sums wrap like jax.lax's
+                    want = want.astype(np.dtype(dtype)).astype(np.float64)
+                scale = max(1.0, float(np.abs(want).max()))
+                err = float(np.abs(got - want).max()) / scale
+                assert got.shape == want.shape and err <= tol, (name, np.dtype(dtype).name, rows, cols, err)
+                checked += 1
+        print("OK ops", np.dtype(dtype).name, flush=True)
+
+    # The lowered program holds jax_hoccl's calls and no XLA collective.
+    text = fn(lambda v: jax_hoccl.psum(v, "tp")).lower(shard(data(me, 2, 8, np.float32))).as_text()
+    assert "hoccl_" in text and "stablehlo.all_reduce" not in text and "stablehlo.all_gather" not in text
+
+    # Async pairs with compute between start and done.
+    x = shard(data(me, 2 * n, 1000, np.float32))
+    xs = [data(r, 2 * n, 1000, np.float32).astype(np.float64) for r in range(n)]
+    def pair(start, **kw):
+        def body(v):
+            pending = start(v, "tp", **kw)
+            h = pending.after_start(v @ v.T)
+            out, h = jax_hoccl.done(pending, h)
+            return out + 0 * h.sum()
+        return body
+    for name, body, want in (("psum_start", pair(jax_hoccl.psum_start), sum(xs)),
+                             ("all_gather_start", pair(jax_hoccl.all_gather_start, tiled=True), np.concatenate(xs)),
+                             ("ppermute_start", pair(jax_hoccl.ppermute_start, perm=shift), xs[(me - 1) % n])):
+        got = mine(fn(body)(x))
+        assert np.abs(got - want).max() < 1e-3, name
+    print("OK async", flush=True)
+
+    # Fused ops (f32, small): x [4*n, k] rows; w replicated.
+    k = 64
+    w = np.random.default_rng(7).standard_normal((k, 32)).astype(np.float32)
+    xs = [data(r, 4 * n, k, np.float32).astype(np.float64) for r in range(n)]
+    x = shard(data(me, 4 * n, k, np.float32))
+    fused = {
+        "all_gather_matmul": (lambda v: jax_hoccl.all_gather_matmul(v, w, "tp"), np.concatenate(xs) @ w),
+        "matmul_reduce_scatter": (lambda v: jax_hoccl.matmul_reduce_scatter(v, w, "tp"),
+                                  np.split(sum(xs) @ w, n)[me]),
+        "matmul_psum": (lambda v: jax_hoccl.matmul_psum(v, w, "tp"), sum(xs) @ w),
+        "matmul_all_to_all": (lambda v: jax_hoccl.matmul_all_to_all(v.reshape(n, 4, k), w, "tp"),
+                              np.stack([np.split(xx, n)[me] @ w for xx in xs])),
+    }
+    for name, (ours, want) in fused.items():
+        got = mine(fn(ours)(x))
+        assert got.shape == want.shape and np.abs(got - want).max() < 1e-2 * max(1, np.abs(want).max()), name
+    print("OK fused", flush=True)
+
+    # 1,000 back-to-back calls: no fd, mapping or shared memory left over; device time per op.
+    f = fn(lambda v: jax_hoccl.psum(v, "tp"))
+    y = shard(np.ones((n, 4096), np.float32))  # 16 KiB per rank
+    f(y).block_until_ready()
+    fds, maps = len(os.listdir("/proc/self/fd")), _hoccl.live_peer_mappings()
+    t0 = time.perf_counter()
+    for i in range(1000):
+        y = f(y) / n
+    y.block_until_ready()
+    per_call = (time.perf_counter() - t0) / 1000 * 1e6
+    assert np.allclose(mine(y), 1.0)
+    assert len(os.listdir("/proc/self/fd")) <= fds + 2 and _hoccl.live_peer_mappings() == maps
+    assert not _hoccl.linked_shared_memory(), _hoccl.linked_shared_memory()
+    K = 100
+    def chain(v):
+        for _ in range(K):
+            v = jax_hoccl.psum(v, "tp") * 0.5
+        return v
+    for size in (64 << 10, 1 << 20, 16 << 20):
+        z = shard(np.ones((n, size // 4), np.float32))
+        g = fn(chain)
+        g(z).block_until_ready()
+        t0 = time.perf_counter()
+        g(z).block_until_ready()
+        print(f"TIME psum {size} bytes: {(time.perf_counter() - t0) / K * 1e6:.1f} us per op "
+              f"(2 processes, 1 GPU, {K} ops in one jit)", flush=True)
+    print(f"OK leaks: {per_call:.1f} us per jit call, {checked} op checks, peer mappings {maps}", flush=True)
+    print("GPU_MP_OK", flush=True)
+    os._exit(0)
+""")
+
+FAILURE_WORKER = PRELUDE + textwrap.dedent("""
+    x = shard(np.ones(4, np.float32))
+    psum = fn(lambda v: jax_hoccl.psum(v, "tp"))
+    psum(x).block_until_ready()  # the group is set up
+    mode = os.environ["MODE"]
+    t0 = time.time()
+    try:
+        if me == 1 and mode == "exit":
+            os._exit(0)
+        if me == 1 and mode == "absent":
+            time.sleep(20)
+            os._exit(0)
+        if me == 1 and mode == "mismatch":
+            psum(shard(np.ones(8, np.float32))).block_until_ready()
+        else:
+            psum(x).block_until_ready()
+    except Exception as e:
+        print("ERROR after %.1f s:" % (time.time() - t0), str(e).replace(chr(10), " "), flush=True)
+    else:
+        print("NO ERROR", flush=True)
+    time.sleep(3)
+    os._exit(0)
+""")
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _run(tmp_path, worker, timeout, env=None):
+  script = tmp_path / "worker.py"
+  script.write_text(worker)
+  addr = f"127.0.0.1:{_free_port()}"
+  base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  base.update(XLA_PYTHON_CLIENT_MEM_FRACTION="0.3", **(env or {}))
+  procs = [subprocess.Popen([sys.executable, "-P", str(script), addr, str(i), "2"], env=base,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  try:
+    return [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+
+
+def _left_in_dev_shm():
+  return [f for f in os.listdir("/dev/shm") if f.startswith("jax_hoccl-")]
+
+
+def test_two_processes_on_one_gpu_every_op(tmp_path):
+  outs = _run(tmp_path, OPS_WORKER, timeout=400)
+  for out in outs:
+    print(out[-1500:])
+    assert "GPU_MP_OK" in out, out[-4000:]
+  assert not _left_in_dev_shm()
+
+
+def test_peer_that_never_calls(tmp_path):
+  out = _run(tmp_path, FAILURE_WORKER, 120, {"MODE": "absent", "JAX_HOCCL_TIMEOUT_S": "5"})[0]
+  assert "ERROR after" in out and "timed out after 5 s" in out, out[-3000:]
+  assert "jax_hoccl all_gather" in out and "rank 1 (device" in out, out[-3000:]
+
+
+def test_peer_that_exits(tmp_path):
+  out = _run(tmp_path, FAILURE_WORKER, 120, {"MODE": "exit", "JAX_HOCCL_TIMEOUT_S": "30"})[0]
+  assert "ERROR after" in out and "exited" in out, out[-3000:]
+  assert float(out.split("ERROR after ")[1].split(" s")[0]) < 30
+  assert not _left_in_dev_shm()
+
+
+def test_mismatched_calls_are_an_immediate_error(tmp_path):
+  outs = _run(tmp_path, FAILURE_WORKER, 120, {"MODE": "mismatch", "JAX_HOCCL_TIMEOUT_S": "30"})
+  for out in outs:
+    assert "ERROR after" in out and "mismatched collectives" in out, out[-3000:]
+    assert "of 16 bytes" in out and "of 32 bytes" in out
+    assert float(out.split("ERROR after ")[1].split(" s")[0]) < 30
