@@ -18,6 +18,7 @@
 #include "cuda_executor.h"
 #include "handler_common.h"
 #include "handlers.h"
+#include "job.h"
 #include "host_profile.h"
 #include "plan.h"
 #include "xla/ffi/api/ffi.h"
@@ -66,7 +67,7 @@ ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffe
   }
   OpSpec spec;
   std::vector<int64_t> ids;
-  ffi::Error decoded = DecodeOp(op, device, x.size_bytes(), out->size_bytes(), groups,
+  ffi::Error decoded = DecodeOp(op, GlobalDeviceId(device), x.size_bytes(), out->size_bytes(), groups,
                                 group_size, permute_dst, false, &spec, &ids, false, false,
                                 skip_own);
   if (!decoded.success()) return decoded;
@@ -165,7 +166,7 @@ ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, const v
   }
   OpSpec spec;
   std::vector<int64_t> ids;
-  ffi::Error decoded = DecodeOp(op, device, in_bytes, out_bytes, groups, group_size,
+  ffi::Error decoded = DecodeOp(op, GlobalDeviceId(device), in_bytes, out_bytes, groups, group_size,
                                 permute_dst, peers_only, &spec, &ids, at_source_slot, in_place);
   if (!decoded.success()) return decoded;
   in = InputFor(spec, in, out_data);

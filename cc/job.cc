@@ -44,6 +44,24 @@ bool AllLocal(const std::vector<int64_t>& ids) {
   return true;
 }
 
+std::vector<int64_t>& LocalDevices() {
+  static auto* ids = new std::vector<int64_t>();
+  return *ids;
+}
+
+void SetLocalDevices(std::vector<int64_t> global_ids) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  LocalDevices() = std::move(global_ids);
+}
+
+int64_t GlobalDeviceId(int64_t local_ordinal) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  const auto& ids = LocalDevices();
+  if (local_ordinal < 0 || static_cast<size_t>(local_ordinal) >= ids.size() || ids[local_ordinal] < 0)
+    return local_ordinal;
+  return ids[local_ordinal];
+}
+
 void NameSite(int64_t site, std::string name) {
   std::lock_guard<std::mutex> lock(g_mu);
   SiteNames()[site] = std::move(name);

@@ -28,6 +28,12 @@ bool AllLocal(const std::vector<int64_t>& ids);
 // The process that owns `device` (this one when no job was set).
 int ProcessOf(int64_t device);
 
+// XLA:GPU gives a handler its local device ordinal, which is not the global device id once
+// several processes share the job (each process's first GPU is ordinal 0). Set from Python at
+// registration: global id of each local ordinal (identity when unset).
+void SetLocalDevices(std::vector<int64_t> global_ids);
+int64_t GlobalDeviceId(int64_t local_ordinal);
+
 // Names the user's op in errors: the lowering registers `site` -> "psum" (the mover a site
 // runs, e.g. all_gather, may differ from what the user called).
 void NameSite(int64_t site, std::string name);

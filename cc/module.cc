@@ -111,6 +111,8 @@ NB_MODULE(_hoccl, m) {
         nb::arg("secret"), nb::arg("process_index"), nb::arg("device_process"),
         nb::arg("process_pids"),
         "the jax.distributed job as src/jax_hoccl/_src/job.py found it (cc/job.h)");
+  m.def("set_local_devices", &hoccl::SetLocalDevices, nb::arg("global_ids"),
+        "global device id of each local CUDA ordinal (cc/job.h)");
   m.def("name_site", &hoccl::NameSite, nb::arg("site"), nb::arg("name"),
         "the user's op a lowering's call site runs, for error messages");
   m.def("linked_shared_memory", &hoccl::LinkedSharedMemory,

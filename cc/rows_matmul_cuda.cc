@@ -28,6 +28,7 @@
 
 #include "group.h"
 #include "handlers.h"
+#include "job.h"
 #include "host_profile.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -294,7 +295,7 @@ ffi::Error RowsMatmulCuda(cudaStream_t stream, int32_t device, ffi::RemainingArg
     return fail("needs x [M, K], w [K, N] or [B, K, N], and out [M', N]");
   const int64_t k = wd[wr - 2], n = wd[wr - 1], batch = wr == 3 ? wd[0] : 1;
   GroupPosition pos;
-  std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
+  std::string err = FindGroup(groups.begin(), groups.size(), group_size, GlobalDeviceId(device), &pos);
   if (!err.empty()) return fail(err);
   auto slot = [&](int64_t s) { return ((pos.rank + s) % group_size + group_size) % group_size; };
   const int64_t x_row0 = slot(shift) * block_rows + piece_row0;

@@ -163,8 +163,8 @@ FAILURE_WORKER = PRELUDE + textwrap.dedent("""
         if me == 1 and mode == "absent":
             time.sleep(20)
             os._exit(0)
-        if me == 1 and mode == "mismatch":
-            psum(shard(np.ones(8, np.float32))).block_until_ready()
+        if me == 1 and mode == "mismatch":  # the same input, another op at the same point
+            fn(lambda v: jax_hoccl.all_to_all(v, "tp", 0, 0, tiled=True))(x).block_until_ready()
         else:
             psum(x).block_until_ready()
     except Exception as e:
@@ -203,9 +203,10 @@ def _left_in_dev_shm():
 
 
 def test_two_processes_on_one_gpu_every_op(tmp_path):
-  outs = _run(tmp_path, OPS_WORKER, timeout=400)
+  outs = _run(tmp_path, OPS_WORKER, timeout=400, env={"JAX_HOCCL_TIMEOUT_S": "60"})
   for out in outs:
     print(out[-1500:])
+  for out in outs:
     assert "GPU_MP_OK" in out, out[-4000:]
   assert not _left_in_dev_shm()
 
@@ -226,6 +227,8 @@ def test_peer_that_exits(tmp_path):
 def test_mismatched_calls_are_an_immediate_error(tmp_path):
   outs = _run(tmp_path, FAILURE_WORKER, 120, {"MODE": "mismatch", "JAX_HOCCL_TIMEOUT_S": "30"})
   for out in outs:
+    print(out[-2000:])
+  for out in outs:
     assert "ERROR after" in out and "mismatched collectives" in out, out[-3000:]
-    assert "of 16 bytes" in out and "of 32 bytes" in out
+    assert "all_gather of 16 bytes" in out and "all_to_all of 16 bytes" in out, out[-3000:]
     assert float(out.split("ERROR after ")[1].split(" s")[0]) < 30

@@ -19,6 +19,18 @@ _registered = False
 _lock = threading.Lock()
 
 
+def _tell_local_devices() -> None:
+  """XLA:GPU hands a handler its local CUDA ordinal; the groups hold global device ids."""
+  try:
+    gpus = jax.local_devices(backend="gpu")
+  except RuntimeError:  # no GPU backend
+    return
+  ids = [-1] * (max((d.local_hardware_id for d in gpus), default=-1) + 1)
+  for d in gpus:
+    ids[d.local_hardware_id] = d.id
+  _hoccl.set_local_devices(ids)
+
+
 def register() -> None:
   """Registers the handlers with XLA, once, at the first lowering. The CPU handlers keep
   per-instruction state (handlers_cpu.cc) whose type XLA must know before them, and
@@ -30,6 +42,7 @@ def register() -> None:
     if _registered:
       return
     jax.devices()
+    _tell_local_devices()
     jax.ffi.register_ffi_type("hoccl_cpu_call", _hoccl.cpu_call_type(), platform="cpu")
     for name, per_platform in _hoccl.registrations().items():
       for platform, handler in per_platform.items():
