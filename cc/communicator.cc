@@ -130,11 +130,20 @@ static std::chrono::steady_clock::time_point Deadline() {
   return std::chrono::steady_clock::now() + Timeout();
 }
 
+// The CPU engine's keys are (site << 32 | n-th call of it), the CUDA engine's plain sequence
+// numbers: say which call that was in words a user can relate to.
+static std::string CallNumber(uint64_t seq) {
+  if (seq >> 32)
+    return "call #" + std::to_string((seq & 0xffffffffu) + 1) + " of call site " +
+           std::to_string(seq >> 32);
+  return "collective call #" + std::to_string(seq + 1) + " of this group";
+}
+
 std::string Communicator::MissingPeers(const char* op, int rank, uint64_t seq,
                                        const std::vector<char>& arrived) const {
   std::string o = std::string("jax_hoccl ") + op + ": " + Describe(rank) + " of group [" + key_ +
                   "] timed out after " + Seconds(TimeoutSeconds()) +
-                  " s (JAX_HOCCL_TIMEOUT_S) at call #" + std::to_string(seq) +
+                  " s (JAX_HOCCL_TIMEOUT_S) at " + CallNumber(seq) +
                   " waiting for missing peer(s):";
   for (int p = 0; p < size(); ++p)
     if (!arrived[p]) o += " " + Describe(p) + ";";

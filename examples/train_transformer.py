@@ -32,6 +32,8 @@ Run (CPU: 8 virtual devices, a 4x2 mesh; 2 GPUs: a 1x2 mesh):
     python examples/train_transformer.py                    # hoccl, checked against lax
     python examples/train_transformer.py --impl lax --no-check --steps 500
     python examples/train_transformer.py --dp 2 --tp 4
+    python -m jax_hoccl.launch -n 2 examples/train_transformer.py   # one process per GPU
+                                                   # (no GPU: 2 processes x 4 CPU devices)
 """
 from __future__ import annotations
 
@@ -53,7 +55,11 @@ def _gpu_available() -> bool:
   return has_plugin and bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
-if not _gpu_available():
+# Started as one of several processes by `python -m jax_hoccl.launch -n N` (one per GPU):
+# the launcher chose the devices.
+_LAUNCHED = bool(os.environ.get("JAX_HOCCL_LAUNCH"))
+
+if not _LAUNCHED and not _gpu_available():
   # 8 virtual CPU devices so the dp x tp mesh is real; PJRT_NPROC lets XLA:CPU run 8 devices
   # (whose collectives wait on each other) on a machine with fewer cores.
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -66,6 +72,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_hoccl  # noqa: E402
+import jax_hoccl.launch  # noqa: E402
+
+jax_hoccl.launch.initialize()  # joins the other processes when launched that way
 
 DP, TP = "dp", "tp"
 

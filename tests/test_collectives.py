@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_hoccl as hc
 from conftest import (AXIS_CASES, DTYPES, LOW_PRECISION, MESH1, MESH2, all_axes_spec,
@@ -694,3 +694,25 @@ def test_psum_of_constants_folds_like_lax():
   assert type(seen["n"]) is int and seen["n"] == seen["lax"] == 4 and seen["nn"] == 8
   assert seen["mean"] == 3.0 and seen["tree"]["a"] == 4 and float(seen["tree"]["b"]) == 1.0
   np.testing.assert_array_equal(to_np(f(x)), np.arange(32, dtype=np.float32)[::4])
+
+
+def test_one_device_axis_costs_nothing():
+  """Over a one-device axis nothing moves: every collective is jax.lax's (which XLA folds
+  away), no jax_hoccl custom call, the same values and types."""
+  mesh = jax.make_mesh((8, 1), ("x", "one"), devices=jax.devices("cpu")[:8])
+  x = jax.device_put(np.arange(8 * 6, dtype=np.float32).reshape(8, 6), NamedSharding(mesh, P(("x", "one"))))
+  cases = {
+      "psum": lambda m, v: m.psum(v, "one"),
+      "pmax": lambda m, v: m.pmax(v, "one"),
+      "all_gather": lambda m, v: m.all_gather(v, "one", tiled=True),
+      "psum_scatter": lambda m, v: m.psum_scatter(v, "one", tiled=True),
+      "all_to_all": lambda m, v: m.all_to_all(v, "one", 0, 0, tiled=True),
+      "ppermute": lambda m, v: m.ppermute(v, "one", [(0, 0)]),
+  }
+  for name, body in cases.items():
+    spec = P(("x", "one"))
+    run = lambda m: jax.jit(jax.shard_map(lambda v: body(m, v), mesh=mesh, in_specs=spec,  # noqa: E731
+                                          out_specs=spec))
+    ours, lax = run(hc), run(jax.lax)
+    assert "hoccl_" not in ours.lower(x).as_text(), name
+    np.testing.assert_array_equal(ours(x), lax(x), err_msg=name)

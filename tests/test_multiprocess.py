@@ -362,3 +362,17 @@ def test_a_peer_in_another_call_is_named_in_the_timeout(tmp_path, mode, theirs):
     assert "ERROR after" in out and "timed out" in out, out[-2000:]
   assert f"(which is in {theirs}" in outs[0], outs[0][-2000:]  # rank 1's call, seen by rank 0
   assert "(which is in psum (all_gather) of 16 bytes" in outs[1], outs[1][-2000:]
+
+
+def test_launcher_runs_the_example_as_two_processes():
+  """`python -m jax_hoccl.launch -n 2 examples/train_transformer.py`: two processes of 4 CPU
+  devices each, the dp axis across them; jax_hoccl's run matches jax.lax's in both."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_HOCCL_NODE")}
+  out = subprocess.run([sys.executable, "-P", "-m", "jax_hoccl.launch", "-n", "2",
+                        os.path.join(repo, "examples", "train_transformer.py"), "--steps", "30"],
+                       env=env, capture_output=True, text=True, timeout=600)
+  text = out.stdout + out.stderr
+  assert "[0] MATCH" in text and "[1] MATCH" in text, text[-3000:]
+  assert "8 cpu devices, mesh dp=4 x tp=2" in text, text[-3000:]
+  assert not _no_shared_memory_left()

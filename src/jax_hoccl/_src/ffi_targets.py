@@ -41,6 +41,8 @@ def register() -> None:
   with _lock:
     if _registered:
       return
+    from jax_hoccl._src import job
+    job.timeout_s()  # a malformed JAX_HOCCL_TIMEOUT_S fails here, not silently later
     jax.devices()
     _tell_local_devices()
     jax.ffi.register_ffi_type("hoccl_cpu_call", _hoccl.cpu_call_type(), platform="cpu")

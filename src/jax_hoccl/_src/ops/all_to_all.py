@@ -63,6 +63,8 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None,
   """jax.lax.all_to_all on copy engines. Works on pytrees (leaves of one dtype and type in
   one exchange per bucket, buckets.py)."""
   axes, n = axes_lib.check_axes(axis_name, "all_to_all", axis_index_groups)
+  if n == 1:  # nothing to exchange (a one-device axis): jax.lax's costs nothing
+    return jax.lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=tiled)
 
   def axes_of(nd):
     return (common.canonical_axis(split_axis, nd, "all_to_all", "split_axis"),

@@ -7,6 +7,7 @@ where one exchange is the cheapest. Like jax.lax's, they are not differentiable;
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
@@ -47,6 +48,8 @@ ji.primitive_batchers[extremum_p] = _batch
 
 def _extremum(x, axis_name, axis_index_groups, op):
   axes, n = axes_lib.check_axes(axis_name, op, axis_index_groups)
+  if n == 1:  # nothing to exchange (a one-device axis): jax.lax's costs nothing
+    return getattr(jax.lax, op)(x, axis_name)
 
   def prepare(leaf):
     leaf = jnp.asarray(leaf)

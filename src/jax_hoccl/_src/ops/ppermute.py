@@ -5,6 +5,7 @@ One copy per (source, destination) pair; the transpose is the inverse permutatio
 from __future__ import annotations
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
@@ -73,6 +74,8 @@ def ppermute(x, axis_name, perm):
   """jax.lax.ppermute on copy engines. Works on pytrees (leaves of one dtype and type in one
   exchange per bucket, buckets.py)."""
   axes, n = axes_lib.check_axes(axis_name, "ppermute")
+  if n == 1:  # nothing to exchange (a one-device axis): jax.lax's costs nothing
+    return jax.lax.ppermute(x, axis_name, perm)
   perm = check_perm(perm, n)
 
   def prepare(leaf):

@@ -86,6 +86,8 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
   """jax.lax.psum_scatter with copy-engine data movement. Works on pytrees (leaves of one
   dtype and type in one exchange per bucket, buckets.py)."""
   axes, n = axes_lib.check_axes(axis_name, "psum_scatter", axis_index_groups)
+  if n == 1:  # nothing to exchange (a one-device axis): jax.lax's costs nothing
+    return jax.lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension, tiled=tiled)
   finish = lambda y: scatter_result(y, scatter_dimension, tiled)  # noqa: E731
 
   leaves, tree = jax.tree.flatten(x)

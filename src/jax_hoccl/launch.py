@@ -1,0 +1,101 @@
+"""Starts a JAX program as N processes on this machine, one per GPU (how clusters run JAX),
+and joins them into one jax.distributed job:
+
+    python -m jax_hoccl.launch -n 2 examples/train_transformer.py [args...]
+
+The program calls `jax_hoccl.launch.initialize()` before using jax (a no-op when it was not
+started by this launcher). Process i gets GPU i; with fewer GPUs than processes they share
+GPU 0 (each with 1/N of its memory: for testing, one GPU's copy engines serve all); without a
+GPU each gets 8/N virtual CPU devices (at least 1). Output lines are prefixed with the process
+index; the exit status is the first non-zero one.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+_ENV = "JAX_HOCCL_LAUNCH"  # "address,num_processes,process_id,local_gpu or -1"
+
+
+def initialize() -> bool:
+  """jax.distributed.initialize() for a process this launcher started; False otherwise."""
+  spec = os.environ.get(_ENV)
+  if not spec:
+    return False
+  address, n, i, gpu = spec.split(",")
+  import jax
+  kwargs = {"local_device_ids": [int(gpu)]} if int(gpu) >= 0 else {}
+  if int(gpu) < 0:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # jax.lax across processes
+  jax.distributed.initialize(address, num_processes=int(n), process_id=int(i), **kwargs)
+  return True
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _pump(stream, prefix: str) -> None:
+  for line in stream:
+    sys.stdout.write(prefix + line)
+    sys.stdout.flush()
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m jax_hoccl.launch", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("-n", "--nproc", type=int, required=True, help="number of processes")
+  ap.add_argument("script", help="the Python program to run")
+  ap.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+  a = ap.parse_args(argv)
+  if a.nproc < 1:
+    ap.error("--nproc must be >= 1")
+  gpus = len(glob.glob("/dev/nvidia[0-9]*"))
+  address = f"127.0.0.1:{_free_port()}"
+  procs, pumps = [], []
+  for i in range(a.nproc):
+    env = dict(os.environ)
+    if gpus >= a.nproc:
+      gpu = i
+    elif gpus:
+      gpu = 0
+      env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / a.nproc:.2f}"
+    else:
+      gpu = -1
+      env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                          f" --xla_force_host_platform_device_count={max(1, 8 // a.nproc)}").strip()
+      env.setdefault("PJRT_NPROC", "16")
+    env[_ENV] = f"{address},{a.nproc},{i},{gpu}"
+    p = subprocess.Popen([sys.executable, a.script, *a.args], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] "), daemon=True)
+    t.start()
+    procs.append(p)
+    pumps.append(t)
+  # One process failing leaves its peers waiting for it: end them too.
+  codes = [None] * len(procs)
+  while None in codes:
+    for k, p in enumerate(procs):
+      if codes[k] is None:
+        try:
+          codes[k] = p.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+          pass
+      if codes[k]:
+        for q in procs:
+          if q.poll() is None:
+            q.terminate()
+  for t in pumps:
+    t.join(timeout=5)
+  return next((c for c in codes if c), 0)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
