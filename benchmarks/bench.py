@@ -209,7 +209,7 @@ def behind_gemms(op_body, k):
   enqueues each op while the GPU runs the GEMM before it, so the op's host cost is hidden.
   Each GEMM also waits for the op before it (one element of its output): otherwise XLA runs
   its own collectives asynchronously beside the next GEMM and the chain measured how much
-  of jax.lax's op the GEMM hid, not the op's latency (session 7, probe_op_cost timelines)."""
+  of jax.lax's op the GEMM hid, not the op's latency (benchmarks/results/raw/2026-11-30-2xH200-probe_op_cost-64KiB-timeline.txt)."""
   def body(x, a):
     for _ in range(k):
       a = (a @ a) * 1e-3 + x.reshape(-1)[0].astype(a.dtype) * 0

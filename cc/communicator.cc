@@ -283,7 +283,7 @@ void Communicator::ExpireAsync() {
         if (!s.arrived[r]) continue;
         std::string msg = broken_;
         if (msg.empty() || now - s.since >= timeout) {
-          msg = MissingPeers(s.op, r, it->first, s.arrived);
+          msg = MissingPeers(s.op.c_str(), r, it->first, s.arrived);
           if (broken_.empty()) broken_ = msg;
         }
         failed.emplace_back(std::move(s.done[r]), msg);

@@ -96,7 +96,7 @@ class Communicator {
     std::vector<char> arrived;
     std::vector<Completion> done;
     int count = 0;
-    const char* op = "";
+    std::string op;  // the user's op, for the timeout message
     std::chrono::steady_clock::time_point since;
   };
   Slot& SlotFor(uint64_t seq);  // requires mu_

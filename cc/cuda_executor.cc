@@ -56,14 +56,6 @@ bool DebugEnabled() {
     }                                                     \
   } while (0)
 
-bool BatchMemOpsEnabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("JAX_HOCCL_BATCH_MEMOPS");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return enabled;
-}
-
 }  // namespace
 
 PlanOptions ChooseCudaPlanOptions(const OpSpec& spec) {
@@ -150,7 +142,9 @@ CUdeviceptr DevPtr(const uint64_t* p) {
 }
 
 // Consecutive stream memory operations on one stream: one cuStreamWriteValue64 /
-// cuStreamWaitValue64 each, or all as one cuStreamBatchMemOp (BatchMemOpsEnabled).
+// cuStreamWaitValue64 each, or all as one cuStreamBatchMemOp where the driver has it (on
+// H200 the two measured the same within noise, benchmarks/results/raw/
+// 2026-11-30-2xH200-probe_op_cost-batch-memops-on-off.txt; one call is fewer host calls).
 class MemOps {
  public:
   MemOps(const DriverApi& api, cudaStream_t stream) : api_(api), stream_(stream) {}
@@ -179,7 +173,7 @@ class MemOps {
     HostTimer timer("api: stream memops");
     std::string err;
     CUstream s = reinterpret_cast<CUstream>(stream_);
-    if (ops_.size() > 1 && api_.batch_mem_op && BatchMemOpsEnabled()) {
+    if (ops_.size() > 1 && api_.batch_mem_op) {
       constexpr size_t kMaxBatch = 256;  // cuStreamBatchMemOp's limit per call
       for (size_t i = 0; i < ops_.size() && err.empty(); i += kMaxBatch) {
         unsigned count = static_cast<unsigned>(std::min(kMaxBatch, ops_.size() - i));

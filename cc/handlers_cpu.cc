@@ -96,7 +96,8 @@ ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* i
   }
   Communicator& comm = GetCommunicator("cpu", ids);
   comm.ArriveAsync(
-      comm.NextSeqAt(spec.rank, call->key), spec.rank, OpName(op), in, out_data,
+      comm.NextSeqAt(spec.rank, call->key), spec.rank, SiteName(call->site, OpName(op)).c_str(),
+      in, out_data,
       [promise](const std::string& error) mutable {
         if (error.empty()) {
           promise.SetAvailable();

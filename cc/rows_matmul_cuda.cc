@@ -2,8 +2,8 @@
 // (+ c), one cuBLASLt call on XLA's stream, reading x's rows and writing out's rows in place
 // through pointer offsets. The fused ops use it where XLA's own dot would need a dynamic-slice
 // copy of x, a separate kernel for "+ received partial" and a concatenate of the pieces
-// (DESIGN change, session 2: those three were most of matmul_reduce_scatter's / matmul_psum's
-// overhead on H200). x_row0 depends on the rank: ((rank + shift) % n) * block_rows + piece_row0;
+// (on 2x H200 those three were most of matmul_reduce_scatter's / matmul_psum's overhead;
+// docs/design.md, "rows_matmul"). x_row0 depends on the rank: ((rank + shift) % n) * block_rows + piece_row0;
 // so may the output's: out_row0 + ((rank + out_shift) % n) * out_block_rows (matmul_all_to_all
 // writes its own block into its rank's slot). With w [B, K, N] it is a strided batch of B
 // GEMMs: GEMM b takes the b-th `rows` rows of x's and out's ranges (MoE: one per expert).
@@ -152,8 +152,9 @@ int CandidateCount() {
 
 // Times every candidate on this call's own operands (once per shape and device; the final
 // call below overwrites what the timed runs wrote) and keeps the fastest, as XLA's autotuner
-// does for its GEMMs: the heuristic's favourite is not always the fastest (session 7: a whole
-// 16384 x 4096 x 8192 bf16 GEMM took 1.10x XLA's time with it, 1.00x tuned; for the fused
+// does for its GEMMs: the heuristic's favourite is not always the fastest (on 2x H200 a whole
+// 16384 x 4096 x 8192 bf16 GEMM took 1.10x XLA's time with it, 1.00x tuned,
+// benchmarks/results/raw/2026-11-30-2xH200-rows_matmul-cublaslt-autotune.txt; for the fused
 // ops' pieces it was already the fastest). Skipped while the stream is being captured into a
 // graph (timing synchronizes).
 template <typename Run>

@@ -13,7 +13,7 @@ import time
 _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
-# DESIGN.md: with 8 virtual devices on few cores XLA needs PJRT_NPROC >= 2x the device count.
+# docs/design.md: with 8 virtual devices on few cores XLA needs PJRT_NPROC >= 2x the device count.
 os.environ.setdefault("PJRT_NPROC", "16")
 
 import numpy as np  # noqa: E402

@@ -1,7 +1,7 @@
 """Autodiff (grad, vjp, jvp) and vmap of every collective equal jax.lax's, with check_vma True
 and False, on 1-D and 2-D meshes.
 
-psum's transpose differs by mode (DESIGN.md): with check_vma=True the cotangent of its
+psum's transpose differs by mode (docs/design.md): with check_vma=True the cotangent of its
 invariant output is pcast back to varying; with check_vma=False it is psum'ed. Comparing
 against jax.lax in both modes catches either being wrong (e.g. gradients 8x too small).
 

@@ -360,7 +360,7 @@ def test_all_gather_invarying_out_specs():
 @pytest.mark.parametrize("op", ["ppermute", "all_gather", "psum_scatter", "all_to_all"])
 def test_varying_result_rejects_replicated_out_specs(op):
   """A varying result with out_specs=P() is an error for ours exactly when it is for lax's
-  (DESIGN.md: a plain ffi_call was silently accepted and returned device 0's shard)."""
+  (docs/design.md: a plain ffi_call was silently accepted and returned device 0's shard)."""
   ours_op, lax_op, _ = OPS[op] if op != "ppermute" else (
       lambda t, a: hc.ppermute(t, a, make_perm("shift", 8)),
       lambda t, a: jax.lax.ppermute(t, a, make_perm("shift", 8)), False)

@@ -236,7 +236,17 @@ _MISSING_PEER_SCRIPT = textwrap.dedent("""
     out["lonely"] = attempt(g, x)
     out["lonely_again"] = attempt(g, x)
 
-    # 3. Other communicators still work: the groups of the 'y' axis of a 2x4 mesh.
+    # 3. The user's op is named, not the mover it runs on, with a call number a user can read.
+    mesh4 = jax.make_mesh((2,), ("z",), devices=[jax.devices()[0], jax.devices()[4]])  # a group no other case uses
+    x4 = jax.device_put(np.arange(4, dtype=np.float32), NamedSharding(mesh4, P("z")))
+    def lonely_psum(a):
+      return jax.lax.cond(jax.lax.axis_index("z") == 0, lambda a: hc.psum(a, "z"),
+                          lambda a: a, a)
+    k = jax.jit(jax.shard_map(lonely_psum, mesh=mesh4, in_specs=P("z"), out_specs=P("z"),
+                              check_vma=False))
+    out["lonely_psum"] = attempt(k, x4)
+
+    # 4. Other communicators still work: the groups of the 'y' axis of a 2x4 mesh.
     mesh2 = jax.make_mesh((2, 4), ("x", "y"))
     x2 = jax.device_put(np.arange(16, dtype=np.float32), NamedSharding(mesh2, P(("x", "y"))))
     h = jax.jit(jax.shard_map(lambda a: hc.psum(a, "y"), mesh=mesh2, in_specs=P(("x", "y")),
@@ -270,6 +280,9 @@ def test_missing_peer_times_out_with_a_clear_error():
   assert "missing peer" in msg and "rank 1 (device 1)" in msg, msg
   assert 1.5 < lonely["seconds"] < 30, lonely["seconds"]
   assert res["lonely_again"]["error"] and res["lonely_again"]["seconds"] < 1.5
+
+  msg = res["lonely_psum"]["error"]
+  assert msg and "jax_hoccl psum (all_gather)" in msg and "call #1 of call site" in msg, msg
 
   healthy = res["healthy"]
   assert healthy["error"] is None, healthy["error"]

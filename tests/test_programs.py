@@ -146,7 +146,7 @@ def test_jit_with_explicit_shardings():
 
 def test_same_inner_jit_called_twice():
   """One inner jitted function called twice (two identical custom calls in one program,
-  DESIGN.md: rendezvous by sequence number, not call-site id), dependent and independent."""
+  docs/design.md: rendezvous by sequence number, not call-site id), dependent and independent."""
   x = put(MESH1, rand(np.random.default_rng(55), (16, 4), np.float32), P("x"))
 
   def make(m):

@@ -93,7 +93,7 @@ def _mmps_bwd(axis_name, chunks, res, ct):
   from jax_hoccl._src import jax_internals as ji
   from jax_hoccl._src.ops.psum import psum
   # psum's transpose: a typed-invariant cotangent is the same everywhere (pbroadcast);
-  # an untyped one may differ per rank and must be summed (DESIGN.md).
+  # an untyped one may differ per rank and must be summed (docs/design.md).
   ct = jax.lax.pcast(ct, tuple(axes), to="varying") if ji.check_vma_enabled() else psum(ct, axes)
   k, nout = w.shape
   dx = ct @ w.T

@@ -23,7 +23,7 @@ from jax_hoccl._src.ops import async_collectives as ac
 # Every piece costs a ppermute and an all-gather on the async stream, each ~30-60 us of fixed
 # handshakes, and small GEMMs lose efficiency; too few pieces expose a big last transfer.
 # Measured on 2x H200 with rows_matmul's cuBLASLt GEMMs, K/n=4096, N=8192 bf16
-# (session 3, raw/*session3-fused*, two interleaved runs): a 32 MiB block in 2 / 4 / 8 pieces
+# (benchmarks/results/raw/2026-11-30-2xH200-fused-4b04e51.log and -fused-66dfbb6.log, two interleaved runs): a 32 MiB block in 2 / 4 / 8 pieces
 # took 1.27-1.29 / 1.23-1.27 / 1.61x the GEMM, a 128 MiB block 1.29-1.30 / 1.26 / 1.25-1.26x;
 # so pieces of ~8 MiB, at most 8.
 PIECE_BYTES = 8 << 20

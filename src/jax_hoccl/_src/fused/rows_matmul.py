@@ -63,7 +63,7 @@ def cublaslt_enabled() -> bool:
   """On unless JAX_HOCCL_CUBLASLT=0 (read when a program is lowered). Inside matmul_psum's
   ring on 2x H200 the cuBLASLt path took 1.24-1.28x / 1.21-1.24x the GEMM alone at
   M = 4096 / 16384 in three runs, against 1.35-1.38x / 1.39-1.42x with XLA's dot + add
-  (benchmarks/results/2026-11-30-2xNVIDIA-H200-fused.json, raw/*session3-fused*): XLA copies
+  (benchmarks/results/2026-11-30-2xNVIDIA-H200-fused.json, raw/2026-11-30-2xH200-fused-*.log): XLA copies
   x's row slices, runs the adds as separate kernels and merges pieces back together."""
   return os.environ.get("JAX_HOCCL_CUBLASLT", "1") not in ("", "0")
 

@@ -1,6 +1,6 @@
 """psum_scatter: rank r gets the sum over ranks of everybody's r-th block.
 
-Composition (DESIGN.md): the all_to_all mover delivers the n blocks destined for me, then XLA
+Composition (docs/design.md, "Collectives on the three movers"): the all_to_all mover delivers the n blocks destined for me, then XLA
 sums them (a fusion; bf16/f16 accumulate in f32). `hoccl_reduce_scatter` is the stacked form
 x[n, ...] -> [...]; its own primitive so that its transpose is the all_gather mover (moving
 n times fewer bytes than transposing the all_to_all would).
