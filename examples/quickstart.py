@@ -38,8 +38,8 @@ total, rows = step(x)
 want_total, want_rows = step_lax(x)
 np.testing.assert_allclose(total, want_total, rtol=1e-6, atol=1e-6)
 np.testing.assert_array_equal(rows, want_rows)
-lowered = step.lower(x).as_text()
-assert "hoccl_" in lowered, "jax_hoccl's collectives were not used"
+if jax.device_count() > 1:  # over one device nothing moves and jax.lax's op is used
+  assert "hoccl_" in step.lower(x).as_text(), "jax_hoccl's collectives were not used"
 print(f"jax_hoccl {jax_hoccl.__version__} on {jax.device_count()} {jax.devices()[0].platform} "
       f"device(s), jax {jax.__version__}, CUDA engine: {jax_hoccl.with_cuda}: psum and "
       "all_gather match jax.lax")
