@@ -17,6 +17,7 @@
 
 #include "driver_api.h"
 #include "job.h"
+#include "transport_direct.h"
 #include "transport_ipc.h"
 #include "host_profile.h"
 
@@ -71,59 +72,12 @@ PlanOptions ChooseCudaPlanOptions(const OpSpec& spec) {
   return o;
 }
 
-// ---------------------------------------------------------------- transport
-
-std::string DirectTransport::ExchangeFlags(int rank, uint64_t* my_flags,
-                                           std::vector<uint64_t*>* all, const char* op) {
-  std::vector<void*> values;
-  std::string err = comm_.ExchangeSetup("cuda_flags", rank, my_flags, &values, op);
-  if (!err.empty()) return err;
-  all->resize(values.size());
-  for (size_t i = 0; i < values.size(); ++i) (*all)[i] = static_cast<uint64_t*>(values[i]);
-  return "";
-}
-
-std::string DirectTransport::ExchangeBuffers(uint64_t seq, int rank, const void* input,
-                                             void* /*output: pulls need only inputs*/,
-                                             const std::vector<int>& peers,
-                                             std::vector<const void*>* inputs, const char* op,
-                                             const std::string& /*what: one program, one process*/) {
-  comm_.Arrive(seq, rank, input);
-  // The peers' handler threads usually arrive within microseconds: spin a little before
-  // sleeping on the condition variable (a futex wake-up costs tens of microseconds, which
-  // would dominate a small collective).
-  const long long spin_us = EnvInt("JAX_HOCCL_SPIN_US", kDefaultSpinMicros, 0);
-  for (int p : peers) {
-    if (spin_us > 0 && !comm_.HasArrived(seq, p)) {
-      auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
-      while (!comm_.HasArrived(seq, p) && std::chrono::steady_clock::now() < until) {
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
-      }
-    }
-    std::string err = comm_.WaitArrived(seq, rank, p, op);
-    if (!err.empty()) return err;
-    (*inputs)[p] = comm_.Input(seq, p);
-  }
-  return "";
-}
-
-void DirectTransport::Release(uint64_t seq, int rank) { comm_.Leave(seq, rank); }
-
-std::string PeerTransport::AllocFlags(size_t bytes, void** flags) {
-  cudaError_t e = cudaMalloc(flags, bytes);
-  if (e != cudaSuccess)
-    return std::string("cudaMalloc(flags) failed: ") + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
-  return "";
-}
-
 // ---------------------------------------------------------------- helpers
 
 namespace {
 
-std::string Prefix(const OpSpec& spec, int device) {
-  return std::string("jax_hoccl ") + OpName(spec.op) + " (rank " + std::to_string(spec.rank) +
+std::string Prefix(const OpSpec& spec, const char* op, int device) {
+  return std::string("jax_hoccl ") + op + " (rank " + std::to_string(spec.rank) +
          ", CUDA device " + std::to_string(device) + "): ";
 }
 
@@ -449,8 +403,10 @@ std::string CurrentDevice(cudaStream_t stream, int* device) {
 }  // namespace
 
 ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream,
-                     const void* input, void* output, int lane) {
-  const char* op = OpName(spec.op);
+                     const void* input, void* output, int lane,
+                     const std::string& user_op) {
+  const std::string op_name = user_op.empty() ? std::string(OpName(spec.op)) : user_op;
+  const char* op = op_name.c_str();
   std::string err = comm.Broken();
   if (!err.empty()) return {ErrorKind::kDeadline, err};
   err = ValidateSpec(spec);
@@ -467,10 +423,10 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   int device = -1;
   err = CurrentDevice(stream, &device);
   if (!err.empty()) return {ErrorKind::kInternal, std::string("jax_hoccl ") + op + ": " + err};
-  const std::string prefix = Prefix(spec, device);
+  const std::string prefix = Prefix(spec, op, device);
   HOCCL_TRACE("%s rank %d: CUDA device %d\n", op, spec.rank, device);
   // Peers in this process: their buffers' addresses are ours. Else the node's IPC transport.
-  DirectTransport direct(comm);
+  DirectTransport direct(comm, EnvInt("JAX_HOCCL_SPIN_US", kDefaultSpinMicros, 0));
   std::unique_ptr<PeerTransport> ipc;
   if (!AllLocal(comm.device_ids())) {
     err = IpcTransport::Make(comm, device, op, &ipc);
@@ -516,7 +472,7 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   inputs[r] = input;
   {
     HostTimer timer("rendezvous");  // mostly waiting for the peers' handler threads
-    const std::string what = std::string(op) + " of " + std::to_string(spec.bytes) +
+    const std::string what = op_name + " of " + std::to_string(spec.bytes) +
                              " bytes (lane " + std::to_string(lane) + ")";
     err = transport.ExchangeBuffers(seq, r, input, output, peers, &inputs, op, what);
   }

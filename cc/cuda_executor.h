@@ -6,10 +6,10 @@
 //   order : everything is enqueued on XLA's stream, or forked from it onto per-device side
 //           streams and joined back before the handler returns.
 //
-// "Direct" mode (one process driving all local GPUs): the per-device handlers meet in the
-// communicator's host rendezvous, which swaps this call's buffer addresses. The exchange of
-// flag arrays and buffers goes through PeerTransport so a multi-process transport (IPC
-// handles + staging buffers) can replace it later.
+// Peers' memory comes through a PeerTransport (peer_transport.h): in one process the
+// per-device handlers swap this call's buffer addresses in the host rendezvous
+// (transport_direct.h); across processes of a node they map each other's allocations
+// (transport_ipc.h).
 //
 // Flags of rank r (uint64, n = group size, on r's device), values are call sequence + 1 and
 // only ever grow, so nothing is reset. One row of 2n flags per lane (see kLanes):
@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "communicator.h"
+#include "peer_transport.h"
 #include "plan.h"
 
 namespace hoccl {
@@ -71,48 +72,13 @@ size_t BlockBytes(const OpSpec& spec);
 // JAX_HOCCL_CHANNELS override either (read at every call).
 PlanOptions ChooseCudaPlanOptions(const OpSpec& spec);
 
-// How a rank learns its peers' memory: DirectTransport (below) for peers in this process,
-// IpcTransport (transport_ipc.h) for peers in other processes of the node.
-class PeerTransport {
- public:
-  virtual ~PeerTransport() = default;
-  // One-time: device memory for my flag array that peers can reach (zeroed by the caller).
-  virtual std::string AllocFlags(size_t bytes, void** flags);
-  // Whether peers' memory needs cudaDeviceEnablePeerAccess (an IPC mapping grants its own).
-  virtual bool NeedsPeerAccess() const { return true; }
-  // One-time: publish my flag array, learn every rank's (indexed by rank, mine included).
-  virtual std::string ExchangeFlags(int rank, uint64_t* my_flags, std::vector<uint64_t*>* all,
-                                    const char* op) = 0;
-  // Per call: publish my buffers for `seq`, wait until every rank in `peers` published, and
-  // return their input addresses in (*inputs)[peer] (valid until Release). `what` describes
-  // the call; peers that describe theirs differently are a mismatch error.
-  virtual std::string ExchangeBuffers(uint64_t seq, int rank, const void* input, void* output,
-                                      const std::vector<int>& peers,
-                                      std::vector<const void*>* inputs, const char* op,
-                                      const std::string& what) = 0;
-  virtual void Release(uint64_t seq, int rank) = 0;
-};
-
-// Direct mode over the host communicator.
-class DirectTransport : public PeerTransport {
- public:
-  explicit DirectTransport(Communicator& comm) : comm_(comm) {}
-  std::string ExchangeFlags(int rank, uint64_t* my_flags, std::vector<uint64_t*>* all,
-                            const char* op) override;
-  std::string ExchangeBuffers(uint64_t seq, int rank, const void* input, void* output,
-                              const std::vector<int>& peers, std::vector<const void*>* inputs,
-                              const char* op, const std::string& what) override;
-  void Release(uint64_t seq, int rank) override;
-
- private:
-  Communicator& comm_;
-};
-
 // Enqueues `spec` for spec.rank on `stream` (XLA's stream of the current device, lane 0, or
 // an async start's stream, its lane). Returns once everything is enqueued; by then the host
-// rendezvous with every involved peer has happened.
+// rendezvous with every involved peer has happened. `user_op` names the op in errors (the
+// user's, e.g. "psum (all_gather)"; default the mover's).
 ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream,
-                     const void* input, void* output, int lane = 0);
+                     const void* input, void* output, int lane = 0,
+                     const std::string& user_op = "");
 
 }  // namespace hoccl
 

@@ -52,7 +52,7 @@ ffi::ErrorCode CodeFor(ErrorKind k) {
 
 ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffer x,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                   int64_t group_size, ffi::Span<const int64_t> permute_dst,
+                   int64_t group_size, ffi::Span<const int64_t> permute_dst, int64_t site,
                    bool skip_own = false) {
   HostTimer timer("collective");
   static const bool debug = [] {
@@ -74,31 +74,33 @@ ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffe
   // Every rank sees the same shapes, so all skip together and sequence numbers stay in step.
   if (spec.bytes == 0) return ffi::Error::Success();
   Communicator& comm = CudaCommunicator(ids);
-  ExecStatus st = RunOnCuda(comm, spec, stream, x.untyped_data(), out->untyped_data());
+  ExecStatus st = RunOnCuda(comm, spec, stream, x.untyped_data(), out->untyped_data(), 0,
+                            SiteName(site, OpName(op)));
   if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
   return ffi::Error::Success();
 }
 
-// `site` (the call-site id the CPU engine pairs calls by) is not needed here: every GPU runs
-// its thunks in schedule order, so the per-communicator sequence pairs calls. skip_own: my
-// own slot of the output is left unwritten (plan.h).
+// `site` only names the user's op in errors here (the CPU engine pairs calls by it): every
+// GPU runs its thunks in schedule order, so the per-communicator sequence pairs calls.
+// skip_own: my own slot of the output is left unwritten (plan.h).
 ffi::Error AllGatherCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                         int64_t group_size, int64_t skip_own, int64_t /*site*/) {
-  return RunCuda(OpKind::kAllGather, stream, device, x, out, groups, group_size, {},
+                         int64_t group_size, int64_t skip_own, int64_t site) {
+  return RunCuda(OpKind::kAllGather, stream, device, x, out, groups, group_size, {}, site,
                  skip_own != 0);
 }
 ffi::Error AllToAllCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                        int64_t group_size, int64_t skip_own, int64_t /*site*/) {
-  return RunCuda(OpKind::kAllToAll, stream, device, x, out, groups, group_size, {},
+                        int64_t group_size, int64_t skip_own, int64_t site) {
+  return RunCuda(OpKind::kAllToAll, stream, device, x, out, groups, group_size, {}, site,
                  skip_own != 0);
 }
 ffi::Error PermuteCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                        int64_t group_size, ffi::Span<const int64_t> permute_dst,
-                       int64_t /*site*/) {
-  return RunCuda(OpKind::kPermute, stream, device, x, out, groups, group_size, permute_dst);
+                       int64_t site) {
+  return RunCuda(OpKind::kPermute, stream, device, x, out, groups, group_size, permute_dst,
+                 site);
 }
 
 // ---- async pairs: start forks XLA's stream onto one of this device's async streams and
@@ -173,7 +175,7 @@ ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, const v
   if (spec.bytes > 0 && OutputBytes(spec) > 0) {
     Communicator& comm = CudaCommunicator(ids);
     const int lane = on_xla_stream ? 0 : 1 + static_cast<int>(stream_index);
-    ExecStatus st = RunOnCuda(comm, spec, stream, in, out_data, lane);
+    ExecStatus st = RunOnCuda(comm, spec, stream, in, out_data, lane, SiteName(site, OpName(op)));
     if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
   }
   cudaEvent_t finished;

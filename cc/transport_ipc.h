@@ -12,7 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda_executor.h"
+#include "communicator.h"
+#include "peer_transport.h"
 #include "node_rendezvous.h"
 
 namespace hoccl {

@@ -211,10 +211,21 @@ def test_two_processes_on_one_gpu_every_op(tmp_path):
   assert not _left_in_dev_shm()
 
 
+def test_two_processes_on_one_gpu_without_preallocation(tmp_path):
+  """XLA_PYTHON_CLIENT_PREALLOCATE=false: XLA makes many allocations, and new ones appear
+  while the program runs; each is mapped by the peer on first sight and cached."""
+  outs = _run(tmp_path, OPS_WORKER, timeout=400,
+              env={"JAX_HOCCL_TIMEOUT_S": "60", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+  for out in outs:
+    assert "GPU_MP_OK" in out, out[-4000:]
+  maps = [int(o.split("peer mappings ")[1].split()[0]) for o in outs]
+  assert max(maps) > 1, maps  # several of the peer's allocations were mapped
+
+
 def test_peer_that_never_calls(tmp_path):
   out = _run(tmp_path, FAILURE_WORKER, 120, {"MODE": "absent", "JAX_HOCCL_TIMEOUT_S": "5"})[0]
   assert "ERROR after" in out and "timed out after 5 s" in out, out[-3000:]
-  assert "jax_hoccl all_gather" in out and "rank 1 (device" in out, out[-3000:]
+  assert "jax_hoccl psum (all_gather)" in out and "rank 1 (device" in out, out[-3000:]
 
 
 def test_peer_that_exits(tmp_path):
@@ -230,5 +241,5 @@ def test_mismatched_calls_are_an_immediate_error(tmp_path):
     print(out[-2000:])
   for out in outs:
     assert "ERROR after" in out and "mismatched collectives" in out, out[-3000:]
-    assert "all_gather of 16 bytes" in out and "all_to_all of 16 bytes" in out, out[-3000:]
+    assert "psum (all_gather) of 16 bytes" in out and "all_to_all of 16 bytes" in out, out[-3000:]
     assert float(out.split("ERROR after ")[1].split(" s")[0]) < 30
