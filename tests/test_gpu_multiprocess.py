@@ -219,7 +219,7 @@ def test_two_processes_on_one_gpu_without_preallocation(tmp_path):
   for out in outs:
     assert "GPU_MP_OK" in out, out[-4000:]
   maps = [int(o.split("peer mappings ")[1].split()[0]) for o in outs]
-  assert max(maps) > 1, maps  # several of the peer's allocations were mapped
+  assert max(maps) > 2, maps  # more than the one pool and the flags: several allocations
 
 
 def test_peer_that_never_calls(tmp_path):
