@@ -581,15 +581,16 @@ def test_all_gather_into_chain_matches_lax(dtype):
   """Two gathers write rows [0, 8*2) and [16, 16+8*1) of a new [24, 3] buffer, the second
   into the first's buffer (donated, no copy), waited in the order matmul_psum uses: the
   buffer equals the concatenation of jax.lax.all_gathers."""
+  from jax_hoccl._src.fused import exchanges as ex
   from jax_hoccl._src.ops import async_collectives as ac
   rng = np.random.default_rng(7)
   a, b = put(MESH1, rand(rng, (16, 3), dtype)), put(MESH1, rand(rng, (8, 3), dtype))
 
   def ours(a, b):
-    p1 = ac.all_gather_into_start(a, "x", (24, 3), 0, to="invariant")
-    p2 = ac.all_gather_into_start(b, "x", p1.buffer, 16, to="invariant")
-    token = ac.wait_after(p1, p2.token)
-    return ac.done_after(p2, token)
+    p1 = ex.all_gather_into_start(a, "x", (24, 3), 0, to="invariant")
+    p2 = ex.all_gather_into_start(b, "x", p1.buffer, 16, to="invariant")
+    token = ex.wait_after(p1, p2.token)
+    return ex.done_after(p2, token)
 
   def lax(a, b):
     return jnp.concatenate([jax.lax.all_gather(a, "x", tiled=True),
@@ -639,6 +640,7 @@ def test_all_gather_in_place_chain_matches_lax(dtype, batched):
   gathers them in place (its own block not copied): rows [0, 8*2) by an async start, rows
   [16, 16+8*1) by one on XLA's stream (sync), waited in matmul_psum's order. The buffer equals
   the concatenation of jax.lax.all_gathers, also under vmap."""
+  from jax_hoccl._src.fused import exchanges as ex
   from jax_hoccl._src.ops import async_collectives as ac
   rng = np.random.default_rng(9)
   lead = (2,) if batched else ()
@@ -648,11 +650,11 @@ def test_all_gather_in_place_chain_matches_lax(dtype, batched):
   def ours(a, b):
     r = jax.lax.axis_index("x")
     buf = jax.lax.dynamic_update_slice_in_dim(jnp.full((24, 3), 7, dtype), a, 2 * r, axis=0)
-    p1 = ac.all_gather_in_place_start(buf, "x", 0, 2, to="invariant")
+    p1 = ex.all_gather_in_place_start(buf, "x", 0, 2, to="invariant")
     buf = jax.lax.dynamic_update_slice_in_dim(p1.buffer, b, 16 + r, axis=0)
-    p2 = ac.all_gather_in_place_start(buf, "x", 16, 1, to="invariant", sync=True)
-    token = ac.wait_after(p1, p2.token)
-    return ac.done_after(p2, token)
+    p2 = ex.all_gather_in_place_start(buf, "x", 16, 1, to="invariant", sync=True)
+    token = ex.wait_after(p1, p2.token)
+    return ex.done_after(p2, token)
 
   def lax(a, b):
     return jnp.concatenate([jax.lax.all_gather(a, "x", tiled=True),
@@ -666,16 +668,18 @@ def test_all_gather_in_place_chain_matches_lax(dtype, batched):
 
 
 def test_all_gather_in_place_rows_must_fit():
+  from jax_hoccl._src.fused import exchanges as ex
   from jax_hoccl._src.ops import async_collectives as ac
-  f = smap(MESH1, lambda a: ac.all_gather_in_place_start(a, "x", 8, 2).buffer, True,
+  f = smap(MESH1, lambda a: ex.all_gather_in_place_start(a, "x", 8, 2).buffer, True,
            in_specs=P("x"), out_specs=P("x"))
   with pytest.raises(ValueError, match=r"rows \[8, 24\) do not fit into \(20, 3\)"):
     jax.jit(f).lower(sds((8 * 20, 3)))
 
 
 def test_all_gather_into_rows_must_fit():
+  from jax_hoccl._src.fused import exchanges as ex
   from jax_hoccl._src.ops import async_collectives as ac
-  f = smap(MESH1, lambda a: ac.all_gather_into_start(a, "x", (20, 3), 8).buffer, True,
+  f = smap(MESH1, lambda a: ex.all_gather_into_start(a, "x", (20, 3), 8).buffer, True,
            in_specs=P("x"), out_specs=P("x"))
   with pytest.raises(ValueError, match=r"rows \[8, 24\).*do not fit into \(20, 3\)"):
     jax.jit(f).lower(sds((16, 3)))

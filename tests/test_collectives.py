@@ -716,3 +716,40 @@ def test_one_device_axis_costs_nothing():
     ours, lax = run(hc), run(jax.lax)
     assert "hoccl_" not in ours.lower(x).as_text(), name
     np.testing.assert_array_equal(ours(x), lax(x), err_msg=name)
+
+
+def test_vmap_axis_names_like_lax():
+  """Collectives over a vmap(axis_name=...) axis, alone or mixed with mesh axes, inside
+  shard_map and outside it: the same values as jax.lax (the vmap part never leaves the
+  device); the mesh part of a sum still runs on jax_hoccl."""
+  mesh = MESH1
+  # Each device holds [1, 3, 3]: vmap over its 3 rows (axis "b"), each row of 3 elements.
+  x = jax.device_put(np.random.default_rng(0).standard_normal((8, 3, 3)).astype(np.float32),
+                     NamedSharding(mesh, P("x")))
+  cases = {
+      "psum b": lambda m, v: m.psum(v, "b"),
+      "psum (b, x)": lambda m, v: m.psum(v, ("b", "x")),
+      "pmean (x, b)": lambda m, v: m.pmean(v, ("x", "b")),
+      "pmax (b, x)": lambda m, v: m.pmax(v, ("b", "x")),
+      "all_gather b": lambda m, v: m.all_gather(v, "b"),
+      "psum_scatter b": lambda m, v: m.psum_scatter(v, "b"),
+      "all_to_all b": lambda m, v: m.all_to_all(v, "b", 0, 0),
+      "ppermute b": lambda m, v: m.ppermute(v, "b", [(0, 1), (1, 2), (2, 0)]),
+      "psum ()": lambda m, v: m.psum(v, ()),
+  }
+  for name, body in cases.items():
+    def run(m):
+      inner = jax.vmap(lambda v: body(m, v), axis_name="b")  # over the 3 rows of each shard
+      return jax.jit(jax.shard_map(lambda v: inner(v[0])[None], mesh=mesh, in_specs=P("x"),
+                                   out_specs=P("x"), check_vma=False))
+    ours, lax = run(hc), run(jax.lax)
+    np.testing.assert_allclose(ours(x), lax(x), rtol=1e-5, atol=1e-5, err_msg=name)
+    if "x" in name:
+      assert "hoccl_" in ours.lower(x).as_text(), name
+  with pytest.raises(TypeError, match="list or a tuple"):  # as jax.lax: no one-shot iterators
+    jax.jit(jax.shard_map(lambda v: hc.ppermute(v, "x", iter([(0, 1)])), mesh=mesh,
+                          in_specs=P("x"), out_specs=P("x")))(x)
+  # Outside shard_map: only vmap axes.
+  v = jnp.arange(12.0).reshape(4, 3)
+  np.testing.assert_allclose(jax.vmap(lambda r: hc.psum(r, "b"), axis_name="b")(v),
+                             jax.vmap(lambda r: jax.lax.psum(r, "b"), axis_name="b")(v))

@@ -33,6 +33,15 @@ def normalize_axes(axis_name) -> tuple:
   return (axis_name,)
 
 
+def split_vmap_axes(axis_name) -> tuple[tuple, tuple]:
+  """(vmap axes, the others) of axis_name. A vmap(axis_name=...) axis lives inside one device:
+  nothing moves between devices for it, so jax.lax computes that part (as it would)."""
+  manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
+  axes = normalize_axes(axis_name)
+  vmapped = tuple(a for a in axes if a not in manual and ji.bound_axis(a))
+  return vmapped, tuple(a for a in axes if a not in vmapped)
+
+
 def check_axes(axis_name, op: str, axis_index_groups=None) -> tuple[tuple, int]:
   """Checks the axes are manual mesh axes of the enclosing shard_map; returns (axes, size)."""
   if axis_index_groups is not None:

@@ -36,6 +36,11 @@ def with_type(aval, shape, varying) -> core.ShapedArray:
   return aval.update(shape=tuple(shape), manual_axis_type=aval.mat.update(varying=frozenset(varying)))
 
 
+def bound_axis(name) -> bool:
+  """Whether `name` is an axis of the current trace: a shard_map mesh axis or a vmap one."""
+  return bool(core.get_axis_env().axis_exists(name))
+
+
 def distributed_client():
   """jax.distributed's client (its key-value store), or None without jax.distributed."""
   from jax._src import distributed

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src.fused.rows_matmul import rows_matmul, runs_on_cublaslt
+from jax_hoccl._src.fused import exchanges as ex
 from jax_hoccl._src.ops import async_collectives as ac
 from jax_hoccl._src.ops import common
 
@@ -46,7 +47,7 @@ def gather_and_multiply(x, w, axes, n, *, with_rows=False):
     slot = dict(out_block_rows=m, out_rows=n * m)
     out = rows_matmul(x.reshape(m, k), w, axes, n, shift=0, block_rows=0, piece_row0=0,
                       rows=m, after=(pending.token,), **slot)
-    others = ac.done_after(pending, pending.token, out)  # after the GEMM, not above it
+    others = ex.done_after(pending, pending.token, out)  # after the GEMM, not above it
     flat = others.reshape(-1, k)
     for j in range(1, n):  # rank r+j's rows, from others[j-1]
       out = rows_matmul(flat, w, axes, n, shift=0, block_rows=0, piece_row0=(j - 1) * m,

@@ -23,7 +23,7 @@ from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src.fused import ring
 from jax_hoccl._src.fused.batch_as_rows import batch_as_rows
 from jax_hoccl._src.fused.rows_matmul import runs_on_cublaslt
-from jax_hoccl._src.ops import async_collectives as ac
+from jax_hoccl._src.fused import exchanges as ex
 from jax_hoccl._src.ops import common
 
 
@@ -57,11 +57,11 @@ def multiply_and_sum(x, w, axes, n, chunks):
     # the last exchange runs on XLA's stream: nothing is left to overlap it with
     row0, rows = int(starts[p]) * inner, pieces[p] * inner
     if in_place:
-      pending = ac.all_gather_in_place_start(out, axes, row0, rows, to="invariant",
+      pending = ex.all_gather_in_place_start(out, axes, row0, rows, to="invariant",
                                              sync=p == last)
     else:
       into = gathers[-1].buffer if gathers else (m * inner, w.shape[1])
-      pending = ac.all_gather_into_start(out, axes, into, row0, to="invariant", sync=p == last)
+      pending = ex.all_gather_into_start(out, axes, into, row0, to="invariant", sync=p == last)
     gathers.append(ov.start(pending))
     return pending.buffer if in_place else None
 

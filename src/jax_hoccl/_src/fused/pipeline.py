@@ -20,6 +20,7 @@ from typing import Callable
 import jax
 
 from jax_hoccl._src.fused import ring
+from jax_hoccl._src.fused import exchanges as ex
 from jax_hoccl._src.ops import async_collectives as ac
 from jax_hoccl._src.ops import common
 
@@ -37,13 +38,13 @@ def all_to_all_by_shifts(peer_block: Callable, own_into: Callable, axes, n: int,
   for k in range(1, n):
     block = ov.computed(peer_block(k, ov.gemm_after()))
     shift = [(i, (i + k) % n) for i in range(n)]
-    starts.append(ov.start(ac.ppermute_into_start(block, axes, shift, buf)))
+    starts.append(ov.start(ex.ppermute_into_start(block, axes, shift, buf)))
     buf = starts[-1].buffer
   out = ov.computed(own_into(buf, ov.gemm_after()))
   for p in starts[:-1]:  # waits after my own block, so XLA's stream computes it first
     ov.wait(p)
   last = starts[-1]  # its done returns the buffer: my block, and every received one
-  return ac.done_after(ac.Pending(out, last.input, last.token, last.site, last.finish),
+  return ex.done_after(ac.Pending(out, last.input, last.token, last.site, last.finish),
                        ov.token)
 
 

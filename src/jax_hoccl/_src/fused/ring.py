@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from jax_hoccl._src.fused.rows_matmul import rows_matmul
+from jax_hoccl._src.fused import exchanges as ex
 from jax_hoccl._src.ops import async_collectives as ac
 
 # Every piece costs a ppermute and an all-gather on the async stream, each ~30-60 us of fixed
@@ -94,12 +95,12 @@ class Overlap:
 
   def done(self, pending: ac.Pending):
     after = self._wait_after()
-    return ac.done_after(pending, *after) if after else ac.done(pending)[0]
+    return ex.done_after(pending, *after) if after else ac.done(pending)[0]
 
   def wait(self, pending: ac.Pending):
     """done for a start whose buffer went on to a later start of an `into` chain: what
     comes after (the next wait, the final done) is ordered after it."""
-    self.token = ac.wait_after(pending, *self._wait_after())
+    self.token = ex.wait_after(pending, *self._wait_after())
 
 
 def reduce_scatter_ring(x, w, axes, n: int, pieces: Sequence[int], layout: Callable,

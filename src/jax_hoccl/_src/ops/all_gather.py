@@ -72,6 +72,9 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
     raise NotImplementedError("jax_hoccl.all_gather: to='reduced' is not supported.")
   if to not in ("varying", "invarying", "invariant"):
     raise ValueError(f"jax_hoccl.all_gather: to must be 'varying' or 'invarying', got {to!r}")
+  if axes_lib.split_vmap_axes(axis_name)[0]:  # a vmap axis: jax.lax's (see axes.py)
+    return jax.lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
+                              tiled=tiled, to="invarying" if to == "invariant" else to)
   axes, n = axes_lib.check_axes(axis_name, "all_gather", axis_index_groups)
   if n == 1:  # nothing to exchange (a one-device axis): jax.lax's costs nothing
     return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled,

@@ -75,77 +75,20 @@ def _start_abstract_eval(x, *, op, axes, axis_size, perm, peers_only, invariant,
   return [out, token, x] if order_input else [out, token]
 
 
-def _start_attrs(ctx, axes, op: str, site: int) -> dict:
+def start_attrs(ctx, axes, op: str, site: int) -> dict:
   """Every start's attributes: its group's, and the async stream it runs on."""
   return {**axes_lib.ffi_group_attrs(ctx, axes, op, site), "stream": np.int64(async_stream(site))}
 
 
 def _start_lowering(ctx, x, *, op, axes, axis_size, perm, peers_only, invariant, site,
                     order_input):
-  attrs = _start_attrs(ctx, axes, op, site)
+  attrs = start_attrs(ctx, axes, op, site)
   if op == "all_gather":
     attrs["peers_only"] = np.int64(peers_only)
   if op == "ppermute":
     attrs["permute_dst"] = permute_dst(perm, axis_size)
   return ffi_lower(f"hoccl_{op}_start", op, ctx, x, **attrs,  # output 2: x, aliased
                    lowering_args=dict(operand_output_aliases={0: 2} if order_input else {}))
-
-
-# all_gather (perm empty), or a ppermute into the sender's slot, into rows of a larger buffer
-# (operands x[, dst]; the output aliases dst). Its callers (the fused ops) order compute by the
-# token, so it has no output 2 (x aliased) like start_p's. in_place_rows > 0: an all_gather in
-# place, the only operand the buffer, in which every rank already wrote its block (that many
-# rows) into its slot. sync: the exchange runs on XLA's stream, not an async one (cuda: stream
-# attribute -1), for a pipeline's last exchange, which has nothing to overlap.
-into_start_p = ji.Primitive("hoccl_into_start")
-into_start_p.multiple_results = True
-
-
-def _into_abstract_eval(x, *dst, axes, axis_size, shape, row, invariant, site, perm,
-                        in_place_rows, sync):
-  vma = ji.varying_axes(x)
-  if ji.check_vma_enabled() and not set(axes) <= vma:
-    raise ValueError(f"jax_hoccl {'ppermute' if perm else 'all_gather'}_into_start: input must "
-                     f"be varying over {axes}, got {set(vma)}")
-  out = dst[0] if dst else ji.with_type(x, shape, vma - set(axes) if invariant else vma)
-  token = ji.with_type(x, (), vma).update(dtype=np.dtype(np.int32), weak_type=False)
-  return [out, token]
-
-
-def _into_lowering(ctx, x, *dst, axes, axis_size, shape, row, invariant, site, perm,
-                   in_place_rows, sync):
-  op = "ppermute_into" if perm else "all_gather_into"
-  attrs = _start_attrs(ctx, axes, op, site)
-  if sync:
-    attrs["stream"] = np.int64(-1)
-  row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(ctx.avals_in[0].dtype).itemsize
-  attrs["offset"] = np.int64(row * row_bytes)
-  aliases = {0: 0} if in_place_rows else {1: 0} if dst else None
-  return ffi_lower("hoccl_into_start", op, ctx, x, *dst, **attrs,
-                   permute_dst=permute_dst(perm, axis_size if perm else 0),  # empty: gather
-                   in_place=np.int64(in_place_rows * row_bytes),
-                   lowering_args=dict(operand_output_aliases=aliases) if aliases else None)
-
-
-def _into_batch(args, dims, *, shape, **params):
-  # Rows stay the leading axis and the batch goes right behind it: rows [row, ...) of a
-  # [total, batch, ...] buffer are still one contiguous range.
-  x, *dst = args
-  d, *dst_dims = dims
-  size = x.shape[d]
-  x = jnp.moveaxis(x, d, 1)
-  if dst:
-    buf, bd = dst[0], dst_dims[0]
-    buf = (jnp.broadcast_to(buf[:, None], (buf.shape[0], size, *buf.shape[1:])) if bd is None
-           else jnp.moveaxis(buf, bd, 1))
-    dst = [buf]
-  out, token = into_start_p.bind(x, *dst, shape=(shape[0], size, *shape[1:]), **params)
-  return [out, token], [1, ji.not_mapped]
-
-
-into_start_p.def_abstract_eval(_into_abstract_eval)
-ji.register_lowering(into_start_p, _into_lowering)
-ji.primitive_batchers[into_start_p] = _into_batch
 
 
 # after: (token, *arrays) -> arrays, each output aliasing its array (the handler does nothing):
@@ -241,7 +184,7 @@ class Pending:
     return cls(*children, *aux)
 
 
-def _pending(outs, x, site, finish=None):
+def pending_of(outs, x, site, finish=None):
   """The Pending of a start that returned (buf, token[, x aliased, ordered after it])."""
   buf, token, *x_after = outs
   return Pending(buf, x_after[0] if x_after else x, token, site, finish or (lambda b: b))
@@ -253,7 +196,7 @@ def _start(op, x, axes, n, order_input, *, perm=(), peers_only=False, invariant=
   outs = start_p.bind(x, op=op, axes=tuple(axes), axis_size=int(n), perm=tuple(perm),
                       peers_only=bool(peers_only), invariant=bool(invariant), site=site,
                       order_input=bool(order_input))
-  return _pending(outs, x, site, finish)
+  return pending_of(outs, x, site, finish)
 
 
 def done(pending: Pending, *deps):
@@ -265,23 +208,6 @@ def done(pending: Pending, *deps):
   buf, *flat = done_p.bind(pending.buffer, pending.input, *flat, site=pending.site,
                            wait_only=False, n_after=0)
   return (pending.finish(buf), *jax.tree.unflatten(tree, flat))
-
-
-def done_after(pending: Pending, *after):
-  """done's result, the wait ordered after the arrays `after` (a start's token, the result of
-  the compute before the wait): operands it never reads, a data dependency that keeps the done
-  behind that compute without aliasing (and copying) them."""
-  buf, = done_p.bind(pending.buffer, pending.input, *after, site=pending.site, wait_only=False,
-                     n_after=len(after))
-  return pending.finish(buf)
-
-
-def wait_after(pending: Pending, *after):
-  """done_after without the result, for a start of an `into` chain whose buffer went on to
-  the next start of the chain (which owns it now). Returns a token ordered after the wait."""
-  token, = done_p.bind(pending.input, pending.input, *after, site=pending.site,
-                       wait_only=True, n_after=len(after))
-  return token
 
 
 ORDER_INPUT_DOC = """
@@ -314,80 +240,6 @@ def all_gather_start(x, axis_name, *, axis=0, tiled=False, peers_only=False, to=
 
   return _start("all_gather", x, axes, n, order_input, invariant=(to != "varying"),
                 finish=finish)
-
-
-def _into_target(into):
-  """(dst operands, buffer shape) of an into start's `into`: an array (donated) or a shape."""
-  if isinstance(into, (tuple, list)):
-    return (), tuple(into)
-  return (into,), into.shape
-
-
-def _into_start(x, dst, axes, n, *, in_place_rows=0, sync=False, **params):
-  x = common.ensure_varying(x, axes)
-  site = axes_lib.new_site()
-  outs = into_start_p.bind(x, *dst, axes=tuple(axes), axis_size=int(n), site=site,
-                           in_place_rows=int(in_place_rows), sync=bool(sync), **params)
-  if in_place_rows:  # nothing to keep alive for the peers but the buffer, which goes to done
-    return Pending(outs[0], outs[1], outs[1], site, lambda b: b)
-  return _pending(outs, x, site)
-
-
-def all_gather_into_start(x, axis_name, into, row, *, to="varying", sync=False):
-  """Starts all_gather(x, axis_name, tiled=True) written into rows [row, row + n * len(x))
-  of a larger buffer. `into` is either an array of x's dtype and trailing shape, donated
-  (done returns it, those rows filled), or a shape: a new buffer whose other rows stay
-  uninitialised for later calls of the chain to fill. Fused ops assemble their output so,
-  with no concatenate. `to` is the new buffer's type over the axes ("invariant": the same
-  on every rank, as when the chain covers every row). sync: as all_gather_in_place_start's."""
-  axes, n = axes_lib.check_axes(axis_name, "all_gather_into_start")
-  x = jnp.asarray(x)
-  axes_lib.check_dtype(x, "all_gather_into_start")
-  if x.ndim == 0:
-    raise ValueError("jax_hoccl.all_gather_into_start: x needs a leading axis")
-  dst, shape = _into_target(into)
-  if (shape[1:] != x.shape[1:] or not 0 <= row <= shape[0] - n * x.shape[0]
-      or (dst and into.dtype != x.dtype)):
-    raise ValueError(f"jax_hoccl.all_gather_into_start: rows [{row}, {row + n * x.shape[0]}) "
-                     f"of {x.dtype}{list(x.shape[1:])} do not fit into {shape}"
-                     + (f" {into.dtype}" if dst else ""))
-  return _into_start(x, dst, axes, n, shape=shape, row=int(row), invariant=(to != "varying"),
-                     perm=(), sync=sync)
-
-
-def all_gather_in_place_start(buf, axis_name, row, rows, *, to="varying", sync=False):
-  """Starts the all_gather of blocks every rank already wrote into its slot of `buf`
-  (donated): rank r's `rows` rows at [row + r * rows, row + (r + 1) * rows). done returns buf
-  with rows [row, row + n * rows) holding every rank's block; my own block is not copied.
-  matmul_psum's GEMMs write their summed pieces so. sync=True runs the exchange on XLA's
-  stream rather than an async one, for a pipeline's last exchange (nothing left to overlap):
-  it saves the hops between streams, and done is then free."""
-  axes, n = axes_lib.check_axes(axis_name, "all_gather_in_place_start")
-  buf = jnp.asarray(buf)
-  axes_lib.check_dtype(buf, "all_gather_in_place_start")
-  if buf.ndim == 0 or rows < 1 or not 0 <= row <= buf.shape[0] - n * rows:
-    raise ValueError(f"jax_hoccl.all_gather_in_place_start: rows [{row}, {row + n * rows}) do "
-                     f"not fit into {buf.shape}")
-  return _into_start(buf, (), axes, n, shape=buf.shape, row=int(row),
-                     invariant=(to != "varying"), perm=(), in_place_rows=rows, sync=sync)
-
-
-def ppermute_into_start(x, axis_name, perm, into):
-  """Starts a ppermute whose received x lands in its sender's slot of a larger buffer: rank s's
-  x at rows [s * len(x), (s + 1) * len(x)) of `into` (donated; done returns it) or of a new
-  buffer when `into` is a shape ([n * len(x), ...]; rows nobody sends to stay uninitialised,
-  for later calls of a chain to fill). One round of an all_to_all split by shift: the
-  pipelines of the fused all_to_all ops assemble their output so, with no stack or gather."""
-  axes, n = axes_lib.check_axes(axis_name, "ppermute_into_start")
-  x = jnp.asarray(x)
-  axes_lib.check_dtype(x, "ppermute_into_start")
-  dst, shape = _into_target(into)
-  if (x.ndim == 0 or shape != (n * x.shape[0], *x.shape[1:])
-      or (dst and into.dtype != x.dtype)):
-    raise ValueError(f"jax_hoccl.ppermute_into_start: {n} slots of {x.dtype}{list(x.shape)} "
-                     f"do not make {shape}" + (f" {into.dtype}" if dst else ""))
-  return _into_start(x, dst, axes, n, shape=shape, row=0, invariant=False,
-                     perm=tuple(check_perm(perm, n)))
 
 
 def all_to_all_start(x, axis_name, *, tiled=True, order_input=True):

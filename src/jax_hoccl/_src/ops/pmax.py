@@ -47,6 +47,11 @@ ji.primitive_batchers[extremum_p] = _batch
 
 
 def _extremum(x, axis_name, axis_index_groups, op):
+  vmapped, axis_name = axes_lib.split_vmap_axes(axis_name)
+  if vmapped:  # the vmap part stays on the device: jax.lax's
+    x = getattr(jax.lax, op)(x, vmapped, axis_index_groups=axis_index_groups)
+  if not axis_name:
+    return x
   axes, n = axes_lib.check_axes(axis_name, op, axis_index_groups)
   if n == 1:  # nothing to exchange (a one-device axis): jax.lax's costs nothing
     return getattr(jax.lax, op)(x, axis_name)

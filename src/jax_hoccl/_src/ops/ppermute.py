@@ -73,6 +73,11 @@ def check_perm(perm, n, op="ppermute"):
 def ppermute(x, axis_name, perm):
   """jax.lax.ppermute on copy engines. Works on pytrees (leaves of one dtype and type in one
   exchange per bucket, buckets.py)."""
+  if not isinstance(perm, (list, tuple)):  # as jax.lax: a one-shot iterator would be empty on a retrace
+    raise TypeError(f"jax_hoccl.ppermute: perm must be a list or a tuple of (source, "
+                    f"destination) pairs, got {type(perm).__name__}.")
+  if axes_lib.split_vmap_axes(axis_name)[0]:  # a vmap axis: jax.lax's (see axes.py)
+    return jax.lax.ppermute(x, axis_name, perm)
   axes, n = axes_lib.check_axes(axis_name, "ppermute")
   if n == 1:  # nothing to exchange (a one-device axis): jax.lax's costs nothing
     return jax.lax.ppermute(x, axis_name, perm)

@@ -145,6 +145,11 @@ ji.primitive_batchers[psum_p] = _batch
 def psum(x, axis_name, *, axis_index_groups=None):
   """jax.lax.psum with copy-engine data movement. Works on pytrees: leaves of one dtype and
   type are summed in one exchange per bucket (buckets.py)."""
+  vmapped, axis_name = axes_lib.split_vmap_axes(axis_name)
+  if vmapped:  # the vmap part stays on the device: jax.lax's
+    x = jax.lax.psum(x, vmapped, axis_index_groups=axis_index_groups)
+  if not axis_name:  # psum(x, ()) is x, as in jax.lax
+    return x
   axes, n = axes_lib.check_axes(axis_name, "psum", axis_index_groups)
   leaves = jax.tree.leaves(x)
   if leaves and not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
@@ -167,5 +172,11 @@ def psum(x, axis_name, *, axis_index_groups=None):
 def pmean(x, axis_name, *, axis_index_groups=None):
   """jax.lax.pmean with copy-engine data movement: psum, then a division by the group size,
   as jax.lax does it (integers become floats). Works on pytrees."""
-  _, n = axes_lib.check_axes(axis_name, "pmean", axis_index_groups)
+  vmapped, mesh_axes = axes_lib.split_vmap_axes(axis_name)
+  if not mesh_axes:  # nothing crosses devices (a vmap axis, or no axis): jax.lax's
+    return jax.lax.pmean(x, axis_name, axis_index_groups=axis_index_groups)
+  _, n = axes_lib.check_axes(mesh_axes, "pmean", axis_index_groups)
+  if vmapped:
+    for a in vmapped:
+      n *= jax.lax.axis_size(a)
   return jax.tree.map(lambda v: v / n, psum(x, axis_name, axis_index_groups=axis_index_groups))
