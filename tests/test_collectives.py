@@ -190,7 +190,7 @@ def test_ppermute(mesh, name, kind):
 
 # ----------------------------------------------------------------------------------- psum
 @pytest.mark.parametrize("local", [(2, 4), (5,)], ids=["divisible", "ragged"])
-@pytest.mark.parametrize("algorithm", ["one_shot", "two_step", "pipelined"])
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_step"])
 @pytest.mark.parametrize("mesh,name", AXIS_CASES)
 def test_psum(mesh, name, algorithm, local):
   inputs = global_inputs(mesh, local, some_dtypes(name, algorithm, local), seed=5)
@@ -200,8 +200,7 @@ def test_psum(mesh, name, algorithm, local):
     return hc.psum(t, name)
 
   expect = {"one_shot": ["hoccl_all_gather"],
-            "two_step": ["hoccl_all_gather", "hoccl_all_to_all"],
-            "pipelined": ["hoccl_all_gather_start", "hoccl_all_to_all_start"]}[algorithm]
+            "two_step": ["hoccl_all_gather", "hoccl_all_to_all"]}[algorithm]
   with hc.psum_algorithm(algorithm):
     got = run_compare(mesh, ours, typed, ref, inputs, summing=True, expect=expect)
     text = assert_lowers_to_ours(

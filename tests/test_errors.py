@@ -3,6 +3,7 @@ run time for a peer that never arrives (a timeout naming the op, the rank and th
 peers; later calls on that broken communicator fail fast). The runtime cases run in a
 subprocess so that a broken communicator cannot affect the rest of the suite.
 """
+import os
 import textwrap
 
 import numpy as np
@@ -294,3 +295,29 @@ def test_missing_peer_times_out_with_a_clear_error():
   want = np.arange(16, dtype=np.float32).reshape(2, 4, 2).sum(1)  # [x, local] over y
   np.testing.assert_array_equal(np.asarray(healthy["value"]).reshape(2, 4, 2),
                                 np.repeat(want[:, None, :], 4, axis=1))
+
+
+def test_malformed_environment_variables_fail_naming_them():
+  from jax_hoccl._src import environment
+  for name, raw, want in [("JAX_HOCCL_TIMEOUT_S", "abc", "a positive number"),
+                          ("JAX_HOCCL_TIMEOUT_S", "-3", "a positive number"),
+                          ("JAX_HOCCL_BUCKET_BYTES", "1.5", "an integer >= 0"),
+                          ("JAX_HOCCL_CHUNKS", "0", "an integer >= 1"),
+                          ("JAX_HOCCL_PSUM_ALGORITHM", "fast", "one of")]:
+    old = os.environ.get(name)
+    os.environ[name] = raw
+    try:
+      with pytest.raises(ValueError, match=f"{name} must be {want}"):
+        environment.check()
+    finally:
+      if old is None:
+        del os.environ[name]
+      else:
+        os.environ[name] = old
+  os.environ["JAX_HOCCL_TIMEUOT_S"] = "5"  # a typo: does nothing, so say so
+  try:
+    with pytest.warns(UserWarning, match="JAX_HOCCL_TIMEUOT_S is not a jax_hoccl"):
+      environment.check()
+  finally:
+    del os.environ["JAX_HOCCL_TIMEUOT_S"]
+  environment.check()  # the suite's own environment is valid

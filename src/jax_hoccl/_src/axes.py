@@ -8,6 +8,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from jax_hoccl._src import ffi_targets, job
 from jax_hoccl._src import jax_internals as ji
 
 # Dtypes the copy engines move (any whole-byte element type). Sub-byte types (int4, ...)
@@ -116,7 +117,6 @@ def new_site() -> int:
   the ranks' calls by (site, n-th call from it), as XLA's own CPU collectives key by op id."""
   site = next(_sites)
   if _user_ops:
-    from jax_hoccl._src import ffi_targets
     ffi_targets.name_site(site, _user_ops[-1])
   return site
 
@@ -138,7 +138,6 @@ def spans_nodes(mesh, axes) -> bool:
   composed with XLA's collectives (ops/across_processes.py)."""
   if not spans_processes(mesh, axes):
     return False
-  from jax_hoccl._src import job
   return _spans(mesh, axes, job.node_of_device)
 
 
@@ -158,7 +157,6 @@ def ffi_group_attrs(ctx, axes, op: str, site: int) -> dict:
   mesh = ji.concrete_mesh_from_lowering(ctx, op)
   check_single_node(mesh, axes, op)
   if spans_processes(mesh, axes):
-    from jax_hoccl._src import job
     job.nodes()  # the C++ engines learn the job before the first call
   table = group_table(mesh, axes)
   return dict(groups=table.reshape(-1), group_size=np.int64(table.shape[1]), site=np.int64(site))

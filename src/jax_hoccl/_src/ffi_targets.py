@@ -5,6 +5,8 @@ import threading
 
 import jax
 
+from jax_hoccl._src import environment
+
 try:
   from jax_hoccl import _hoccl
 except ImportError as e:  # pragma: no cover - only when the package was not built
@@ -41,8 +43,7 @@ def register() -> None:
   with _lock:
     if _registered:
       return
-    from jax_hoccl._src import job
-    job.timeout_s()  # a malformed JAX_HOCCL_TIMEOUT_S fails here, not silently later
+    environment.check()  # a malformed JAX_HOCCL_* value fails here, not silently later
     jax.devices()
     _tell_local_devices()
     jax.ffi.register_ffi_type("hoccl_cpu_call", _hoccl.cpu_call_type(), platform="cpu")

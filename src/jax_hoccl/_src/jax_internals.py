@@ -7,7 +7,6 @@ when jax changes, this is the file to fix. Checked against jax 0.11.2.
 """
 from __future__ import annotations
 
-import jax
 from jax._src import config as _config
 from jax._src import core
 from jax._src.interpreters import ad, batching, mlir

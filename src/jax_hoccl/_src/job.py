@@ -13,6 +13,7 @@ import socket
 import numpy as np
 import jax
 
+from jax_hoccl._src import ffi_targets
 from jax_hoccl._src import jax_internals as ji
 
 _PREFIX = "jax_hoccl/job/"
@@ -70,7 +71,6 @@ def nodes() -> list[str]:
   owner = np.full(max(d.id for d in devices) + 1, -1, np.int64)
   for d in devices:
     owner[d.id] = d.process_index
-  from jax_hoccl._src import ffi_targets
   ffi_targets.set_job(secret, me, owner.tolist(), pids)
   _nodes = found
   return _nodes

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src.fused.matmul_all_to_all import vary_alike
 from jax_hoccl._src.fused.pipeline import compute_all_to_all
+from jax_hoccl._src.fused.cotangent import cotangent_like
 from jax_hoccl._src.ops import common
 from jax_hoccl._src.ops.all_to_all import all_to_all
 
@@ -43,7 +44,7 @@ def _ema2a_bwd(axis_name, res, ct):
   table_v, ids, ct = vary_alike(table, ids, ct)
   _, vjp = jax.vjp(lambda t: pooled_lookup(t, ids), table_v)
   (dtable,) = vjp(ct)
-  return common.cotangent_like(dtable, table), None
+  return cotangent_like(dtable, table), None
 
 
 _ema2a.defvjp(_ema2a_fwd, _ema2a_bwd)

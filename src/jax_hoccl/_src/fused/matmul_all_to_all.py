@@ -22,6 +22,7 @@ from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.fused import pipeline
 from jax_hoccl._src.fused.batch_as_rows import batch_as_rows
 from jax_hoccl._src.fused.rows_matmul import rows_matmul
+from jax_hoccl._src.fused.cotangent import cotangent_like
 from jax_hoccl._src.ops import common
 from jax_hoccl._src.ops.all_to_all import all_to_all
 
@@ -57,7 +58,7 @@ def _multiply_all_to_all(x, w, axes, n):
 def vary_alike(*arrays):
   """Casts the arrays to vary over the union of their varying manual axes (check_vma=True
   only). A jax.vjp taken over them then holds no implicit pvary, whose transpose would be
-  jax.lax.psum, i.e. XLA's all-reduce; common.cotangent_like sums with jax_hoccl.psum."""
+  jax.lax.psum, i.e. XLA's all-reduce; cotangent.cotangent_like sums with jax_hoccl.psum."""
   if not ji.check_vma_enabled():
     return arrays
   union = frozenset().union(*(ji.varying_axes(jax.typeof(a)) for a in arrays))
@@ -89,7 +90,7 @@ def _mma2a_bwd(axis_name, res, ct):
   xv, wv, ct = vary_alike(x, w, ct)
   _, vjp = jax.vjp(jnp.matmul, xv, wv)
   dx, dw = vjp(ct)
-  return common.cotangent_like(dx, x), common.cotangent_like(dw, w)
+  return cotangent_like(dx, x), cotangent_like(dw, w)
 
 
 _mma2a.defvjp(_mma2a_fwd, _mma2a_bwd)

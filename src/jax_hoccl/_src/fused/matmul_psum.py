@@ -24,11 +24,13 @@ from jax_hoccl._src.fused import ring
 from jax_hoccl._src.fused.batch_as_rows import batch_as_rows
 from jax_hoccl._src.fused.rows_matmul import runs_on_cublaslt
 from jax_hoccl._src.fused import exchanges as ex
+from jax_hoccl._src.fused.cotangent import cotangent_like
+from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ops import common
+from jax_hoccl._src.ops.psum import psum, psum_algorithm
 
 
 def _one_shot_psum(x, w, axes):
-  from jax_hoccl._src.ops.psum import psum, psum_algorithm
   with psum_algorithm("one_shot"):
     return psum(x @ w, axes)
 
@@ -90,15 +92,13 @@ def _mmps_fwd(x, w, axis_name, chunks):
 def _mmps_bwd(axis_name, chunks, res, ct):
   x, w = res
   axes, _ = axes_lib.check_axes(axis_name, "matmul_psum")
-  from jax_hoccl._src import jax_internals as ji
-  from jax_hoccl._src.ops.psum import psum
   # psum's transpose: a typed-invariant cotangent is the same everywhere (pbroadcast);
   # an untyped one may differ per rank and must be summed (docs/design.md).
   ct = jax.lax.pcast(ct, tuple(axes), to="varying") if ji.check_vma_enabled() else psum(ct, axes)
   k, nout = w.shape
   dx = ct @ w.T
   dw = x.reshape(-1, k).T @ ct.reshape(-1, nout)
-  return common.cotangent_like(dx, x), common.cotangent_like(dw, w)
+  return cotangent_like(dx, x), cotangent_like(dw, w)
 
 
 _mmps.defvjp(_mmps_fwd, _mmps_bwd)

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src.fused import pipeline, ring
 from jax_hoccl._src.fused.rows_matmul import runs_on_cublaslt
+from jax_hoccl._src.fused.cotangent import cotangent_like
+from jax_hoccl._src.fused.gather_and_multiply import gather_and_multiply
 from jax_hoccl._src.ops import common
 
 
@@ -73,14 +75,13 @@ def _mmrs_fwd(x, w, axis_name, chunks):
 
 
 def _mmrs_bwd(axis_name, chunks, res, ct):
-  from jax_hoccl._src.fused.all_gather_matmul import gather_and_multiply
   x, w = res
   axes, n = axes_lib.check_axes(axis_name, "matmul_reduce_scatter")
   dx, ct_gathered = gather_and_multiply(common.ensure_varying(ct, axes), w.T, axes, n,
                                         with_rows=True)
   k, nout = w.shape
   dw = x.reshape(-1, k).T @ ct_gathered.reshape(-1, nout)
-  return common.cotangent_like(dx, x), common.cotangent_like(dw, w)
+  return cotangent_like(dx, x), cotangent_like(dw, w)
 
 
 _mmrs.defvjp(_mmrs_fwd, _mmrs_bwd)

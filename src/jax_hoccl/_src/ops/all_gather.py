@@ -37,16 +37,6 @@ def _lowering(ctx, x, *, axes, axis_size, invariant, skip_own, site):
                    **axes_lib.ffi_group_attrs(ctx, axes, "all_gather", site))
 
 
-def _transpose(ct, x, *, axes, axis_size, invariant, skip_own, site):
-  assert not skip_own, "skip_own is for psum's lowering only, never differentiated"
-  if invariant and ji.check_vma_enabled():
-    # The cotangent of an invariant output is the same on every rank: take my block.
-    rank = jax.lax.axis_index(common.axis_name_arg(axes))
-    return [jax.lax.dynamic_index_in_dim(ct, rank, axis=0, keepdims=False)]
-  from jax_hoccl._src.ops.psum_scatter import reduce_scatter_stacked
-  return [reduce_scatter_stacked(ct, axes, axis_size)]
-
-
 def _batch(args, dims, **params):
   (x,), (d,) = args, dims
   out = all_gather_p.bind(x, **params)
@@ -55,7 +45,7 @@ def _batch(args, dims, **params):
 
 all_gather_p.def_abstract_eval(_abstract_eval)
 ji.register_lowering(all_gather_p, _lowering)
-ji.deflinear2(all_gather_p, _transpose)
+# Its transpose, a reduce-scatter, is registered in psum_scatter.py (which imports this module).
 ji.primitive_batchers[all_gather_p] = _batch
 
 
@@ -107,3 +97,18 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
       leaves, lambda leaf: place(gather(leaf), leaf), pack=lambda leaf: leaf.reshape(-1),
       exchange=gather, unpack=lambda part, leaf: place(part.reshape(n, *leaf.shape), leaf))
   return jax.tree.unflatten(tree, out)
+
+
+def _across_nodes(x, *, axes, local, cross, sizes, invariant, **_):
+  """x -> [n, *x.shape] over axes that span nodes, block k from the rank of combined index k:
+  XLA's gather across nodes first, then jax_hoccl's inside on n_cross times more."""
+  sizes = dict(sizes)
+  y = jax.lax.all_gather(x, cross if len(cross) > 1 else cross[0], axis=0,
+                         to="invarying" if invariant else "varying")  # [n_cross, ...]
+  if local:
+    y = gather_stacked(y, local, across_processes.size_of(local, sizes), invariant)
+    y = y.reshape(-1, *x.shape)  # [n_local * n_cross, ...]
+  return across_processes.reorder(y, local + cross, axes, sizes)
+
+
+across_processes.register("all_gather", _across_nodes)

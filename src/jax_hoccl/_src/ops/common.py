@@ -87,18 +87,5 @@ def canonical_axis(axis: int, ndim: int, op: str, what: str) -> int:
   return axis % ndim
 
 
-def cotangent_like(ct, primal):
-  """A custom_vjp backward must return cotangents typed like the primals. Where a primal was
-  invariant over an axis but its cotangent came out varying (a replicated weight used by
-  every rank), the true cotangent is the sum over that axis."""
-  if not ji.check_vma_enabled():
-    return ct
-  extra = tuple(ji.varying_axes(jax.typeof(ct)) - ji.varying_axes(jax.typeof(primal)))
-  if not extra:
-    return ct
-  from jax_hoccl._src.ops.psum import psum  # psum imports this module
-  return psum(ct, extra)
-
-
 def rank(axes):
   return jax.lax.axis_index(axis_name_arg(axes))

@@ -7,6 +7,8 @@ where one exchange is the cheapest. Like jax.lax's, they are not differentiable;
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -77,3 +79,16 @@ def pmax(x, axis_name, *, axis_index_groups=None):
 def pmin(x, axis_name, *, axis_index_groups=None):
   """jax.lax.pmin with copy-engine data movement. Works on pytrees."""
   return _extremum(x, axis_name, axis_index_groups, "pmin")
+
+
+def _across_nodes(x, *, axes, local, cross, sizes, op, **_):
+  """pmax / pmin over axes that span nodes: inside with jax_hoccl, then across with jax.lax
+  on the local result."""
+  if local:
+    x = extremum_p.bind(x, axes=local, axis_size=across_processes.size_of(local, dict(sizes)),
+                        op=op, site=axes_lib.new_site())
+  return (jax.lax.pmax if op == "pmax" else jax.lax.pmin)(x, cross)
+
+
+for _op in ("pmax", "pmin"):
+  across_processes.register(_op, functools.partial(_across_nodes, op=_op))

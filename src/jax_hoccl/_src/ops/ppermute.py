@@ -92,3 +92,21 @@ def ppermute(x, axis_name, perm):
     return ppermute_p.bind(leaf, axes=axes, axis_size=n, perm=perm, site=axes_lib.new_site())
 
   return buckets.elementwise(x, prepare, one)
+
+
+def _across_nodes(x, *, axes, perm, mesh_order, sizes, **_):
+  """XLA's ppermute over axes that span nodes. jax.lax.ppermute wants the axes in the mesh's
+  order: renumber the pairs into it."""
+  sizes = dict(sizes)
+  ordered = tuple(a for a in mesh_order if a in axes)
+  shape = [sizes[a] for a in axes]
+
+  def renumber(i):
+    coords = dict(zip(axes, np.unravel_index(i, shape)))
+    return int(np.ravel_multi_index([coords[a] for a in ordered], [sizes[a] for a in ordered]))
+
+  perm = [(renumber(s), renumber(d)) for s, d in perm]
+  return jax.lax.ppermute(x, ordered if len(ordered) > 1 else ordered[0], perm)
+
+
+across_processes.register("ppermute", _across_nodes)

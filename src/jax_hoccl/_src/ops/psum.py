@@ -1,12 +1,11 @@
 """psum: every rank gets the sum over ranks.
 
-Three algorithms, all compositions of the movers with an XLA sum (no kernel of ours):
+Two algorithms, both compositions of the movers with an XLA sum (no kernel of ours):
   one_shot : all_gather everything, sum locally. One round of copies: best for small inputs.
   two_step : psum_scatter then all_gather (each rank sums 1/n). Moves 2(n-1)/n of the bytes
              instead of (n-1): best for large inputs.
-  pipelined: two_step in PIPELINE_CHUNKS chunks with the async pairs, so XLA's sum of chunk k
-             runs on the SMs while the copy engines move chunk k+1 (opt-in: not measured on
-             GPU yet; JAX_HOCCL_PSUM_CHUNKS sets the chunk count).
+(A third, two_step in chunks whose sums overlap the next chunk's copies, measured 0.76-0.90x
+jax.lax's bandwidth at 64 MiB - 1 GiB on 2x H200, below two_step, and is gone: docs/design.md.)
 "auto" picks one_shot up to ONE_SHOT_MAX_BYTES and for groups of two, two_step above.
 Override with the env var JAX_HOCCL_PSUM_ALGORITHM or `with jax_hoccl.psum_algorithm(
 "two_step"):` around the tracing of your function.
@@ -26,8 +25,7 @@ from jax_hoccl._src.ops import across_processes, buckets, common
 from jax_hoccl._src.ops.all_gather import gather_stacked
 from jax_hoccl._src.ops.psum_scatter import reduce_scatter_stacked
 
-ALGORITHMS = ("auto", "one_shot", "two_step", "pipelined")
-PIPELINE_CHUNKS = 4
+ALGORITHMS = ("auto", "one_shot", "two_step")
 ONE_SHOT_MAX_BYTES = 256 * 1024
 _local = threading.local()
 
@@ -68,8 +66,6 @@ def _impl(x, *, axes, axis_size, algorithm, site):
   if algorithm == "one_shot":
     got = gather_stacked(x, axes, n, invariant=True, skip_own=True)
     return common.sum_leading_with_own(got, x, axes)
-  if algorithm == "pipelined":
-    return _pipelined(x, axes, n)
   return two_step(x, axes, n)
 
 
@@ -87,29 +83,6 @@ def two_step(x, axes, n, across=None):
     part = across(part)
   full = gather_stacked(part, axes, n, invariant=True).reshape(-1)
   return full[:size].reshape(x.shape)
-
-
-def _pipelined(x, axes, n):
-  from jax_hoccl._src.ops import async_collectives as ac  # imports this package's ops
-  chunks = max(1, int(os.environ.get("JAX_HOCCL_PSUM_CHUNKS", PIPELINE_CHUNKS)))
-  flat = x.reshape(-1)
-  size = flat.shape[0]
-  per = -(-size // (n * chunks))  # elements per rank block per chunk
-  flat = jnp.pad(flat, (0, per * n * chunks - size))
-  blocks = flat.reshape(chunks, n, per)  # chunk k, block j goes to rank j
-  exchanges = [ac.all_to_all_start(blocks[0], axes, order_input=False)]
-  gathers, out = [], []
-  for k in range(chunks):
-    if k + 1 < chunks:  # start moving chunk k+1 before summing chunk k
-      exchanges.append(ac.all_to_all_start(exchanges[-1].after_start(blocks[k + 1]), axes,
-                                           order_input=False))
-    got, = ac.done(exchanges[k])
-    part = common.sum_leading(exchanges[-1].after_start(got))
-    gathers.append(ac.all_gather_start(part, axes, to="invariant", order_input=False))
-  for g in gathers:
-    full, = ac.done(g)
-    out.append(full.reshape(-1))
-  return jnp.concatenate(out)[:size].reshape(x.shape)
 
 
 def _transpose(ct, x, *, axes, axis_size, algorithm, site):
@@ -180,3 +153,15 @@ def pmean(x, axis_name, *, axis_index_groups=None):
     for a in vmapped:
       n *= jax.lax.axis_size(a)
   return jax.tree.map(lambda v: v / n, psum(x, axis_name, axis_index_groups=axis_index_groups))
+
+
+def _across_nodes(x, *, axes, local, cross, sizes, **_):
+  """psum over axes that span nodes: reduce-scatter inside, XLA's psum across on 1/n_local of
+  the bytes, all-gather inside (across_processes.py)."""
+  if not local:
+    return jax.lax.psum(x, cross)
+  n_local = across_processes.size_of(local, dict(sizes))
+  return two_step(x, local, n_local, across=lambda p: jax.lax.psum(p, cross))
+
+
+across_processes.register("psum", _across_nodes)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ops import across_processes, buckets, common
+from jax_hoccl._src.ops.all_gather import all_gather_p, gather_stacked
 from jax_hoccl._src.ops.all_to_all import exchange_stacked
 
 reduce_scatter_p = ji.Primitive("hoccl_reduce_scatter")
@@ -34,7 +35,6 @@ def _impl(x, *, axes, axis_size, site):
 
 
 def _transpose(ct, x, *, axes, axis_size, site):
-  from jax_hoccl._src.ops.all_gather import gather_stacked
   return [gather_stacked(ct, axes, axis_size)]
 
 
@@ -57,6 +57,19 @@ def _lowering(ctx, x, *, axes, axis_size, site):
 reduce_scatter_p.def_abstract_eval(_abstract_eval)
 ji.register_lowering(reduce_scatter_p, _lowering)
 ji.deflinear2(reduce_scatter_p, _transpose)
+
+
+def _all_gather_transpose(ct, x, *, axes, axis_size, invariant, skip_own, site):
+  assert not skip_own, "skip_own is for psum's lowering only, never differentiated"
+  if invariant and ji.check_vma_enabled():
+    # The cotangent of an invariant output is the same on every rank: take my block.
+    rank = jax.lax.axis_index(common.axis_name_arg(axes))
+    return [jax.lax.dynamic_index_in_dim(ct, rank, axis=0, keepdims=False)]
+  return [reduce_scatter_stacked(ct, axes, axis_size)]
+
+
+# all_gather <-> reduce-scatter transpose into each other; both rules live here.
+ji.deflinear2(all_gather_p, _all_gather_transpose)
 ji.primitive_batchers[reduce_scatter_p] = _batch
 
 
@@ -101,3 +114,19 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
       blocks, lambda b: finish(scatter(b)), pack=lambda b: b.reshape(n, -1), exchange=scatter,
       unpack=lambda part, b: finish(part.reshape(b.shape[1:])))
   return jax.tree.unflatten(tree, out)
+
+
+def _across_nodes(x, *, axes, local, cross, sizes, **_):
+  """x[n, ...] -> [...] over axes that span nodes: the sum over ranks of their block for my
+  combined index; jax_hoccl's reduce-scatter inside, then XLA's across on 1/n_local."""
+  sizes = dict(sizes)
+  x = across_processes.reorder(x, axes, local + cross, sizes)  # block (l, c) at l * n_cross + c
+  n_cross = across_processes.size_of(cross, sizes)
+  if local:
+    n_local = across_processes.size_of(local, sizes)
+    x = reduce_scatter_stacked(x.reshape(n_local, n_cross, *x.shape[1:]), local, n_local)
+  return jax.lax.psum_scatter(x, cross if len(cross) > 1 else cross[0], scatter_dimension=0,
+                              tiled=False)
+
+
+across_processes.register("reduce_scatter", _across_nodes)
