@@ -5,7 +5,7 @@ scheduled its instructions in (custom calls, GEMMs, copies, fusions), one line e
     python3 benchmarks/probe_fused.py matmul_all_to_all  # or embedding_all_to_all
 
 PROBE_TIMELINE=1 adds device timelines (jax.profiler's trace) of the benchmark's loop of
-bench_fused.ITERS calls for the GEMM alone, the op and jax.lax's form: every kernel and copy
+jax_hoccl.bench.fused.ITERS calls for the GEMM alone, the op and jax.lax's form: every kernel and copy
 per GPU and stream in microseconds, then each stream's busy time and the compute stream's idle
 time. PROBE_TIMELINE=summary prints only those totals.
 """
@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_hoccl  # noqa: E402
-from bench_fused import _paired  # noqa: E402
+from jax_hoccl.bench.fused import _paired  # noqa: E402
 
 
 def schedule(text):
@@ -103,7 +103,7 @@ def timeline(f, args, calls=3):
 def all_to_all_op(op):
   """matmul_all_to_all / embedding_all_to_all at the benchmark's shapes: time against the
   compute alone and jax.lax's form, the schedule, and with PROBE_TIMELINE the timelines."""
-  from bench_fused import EMBEDDING_VDBL, ITERS, MOE_ECHD, embedding_lookup, looped
+  from jax_hoccl.bench.fused import EMBEDDING_VDBL, ITERS, MOE_ECHD, embedding_lookup, looped
   devices = jax.devices()
   n = len(devices)
   mesh = jax.make_mesh((n,), ("x",))
@@ -176,7 +176,7 @@ def main():
   for line in schedule(text):
     print("   ", line)
   if os.environ.get("PROBE_TIMELINE"):  # the benchmark's loop of ITERS calls, traced
-    from bench_fused import ITERS, looped
+    from jax_hoccl.bench.fused import ITERS, looped
     lax_body = {"matmul_psum": lambda x, w: jax.lax.psum(x @ w, "x"),
                 "matmul_reduce_scatter":
                     lambda x, w: jax.lax.psum_scatter(x @ w, "x", tiled=True),

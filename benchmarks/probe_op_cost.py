@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax_hoccl  # noqa: E402
 from jax_hoccl import _hoccl  # noqa: E402
-from bench import behind_gemms, time_call  # noqa: E402
+from jax_hoccl.bench.collectives import behind_gemms, time_call  # noqa: E402
 
 K = int(os.environ.get("PROBE_K", 32))
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fused import _paired  # noqa: E402
+from jax_hoccl.bench.fused import _paired  # noqa: E402
 from jax_hoccl._src.fused.rows_matmul import rows_matmul  # noqa: E402
 
 

@@ -22,9 +22,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PY=.venv/bin/python
 JAX_VERSION="${JAX_VERSION:-0.11.2}"
-if ! $PY -c "import jax, nanobind, scikit_build_core, pytest" >/dev/null 2>&1; then
+if ! $PY -c "import jax, nanobind, scikit_build_core, pytest, matplotlib" >/dev/null 2>&1; then
   $PY -m pip install -q --upgrade pip
-  $PY -m pip install -q "jax==${JAX_VERSION}" "jaxlib==${JAX_VERSION}" nanobind scikit-build-core pytest numpy
+  $PY -m pip install -q "jax==${JAX_VERSION}" "jaxlib==${JAX_VERSION}" nanobind scikit-build-core pytest numpy matplotlib
 fi
 # Build and install jax_hoccl itself (the CUDA engine too when nvcc is found).
 $PY -m pip install -q --no-build-isolation --no-deps --force-reinstall .

@@ -63,7 +63,7 @@ fi
 
 if [ "$PHASE" = tests ]; then QUICK=--quick; fi
 echo "== benchmark $QUICK"
-timeout 420 $PY benchmarks/bench.py $QUICK 2>&1 | tee "$OUTDIR/bench.log" | grep -v "^  "
+timeout 420 $PY -m jax_hoccl.bench $QUICK --out benchmarks/results 2>&1 | tee "$OUTDIR/bench.log" | grep -v "^  "
 cp benchmarks/results/*.json "$OUTDIR/" 2>/dev/null
 
 echo

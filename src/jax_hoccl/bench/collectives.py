@@ -1,32 +1,17 @@
-"""jax_hoccl vs jax.lax, side by side in one run.
+"""The collectives section of `python -m jax_hoccl.bench`: jax_hoccl and jax.lax side by side.
 
-    python -P benchmarks/bench.py                 # all sizes, writes benchmarks/results/<date>-<machine>.json
-    python -P benchmarks/bench.py --quick         # fewer sizes (smoke test; also runs on CPU)
-
-Sections:
   collectives  : device time per op (K dependent ops in one jitted function, so JAX's ~100 us
                  per-call host overhead is amortised) and bus bandwidth (nccl-tests formulas),
                  for jax_hoccl, jax.lax and, on GPU, a raw copy-engine peer copy (the ceiling).
   interference : an 8192^3 bf16 GEMM's throughput (PyTorch, its own CUDA stream, GPU 0) while
                  JAX runs a continuous chain of each collective, over its solo throughput.
-  fused        : fused matmul-collective ops vs their unfused jax.lax forms (when available).
-Prints a table last. Sizes are per device: all_gather's is its output (the full buffer, as
-nccl-tests count it), the others' their input.
+  device time  : small ops behind GEMMs, so the host's per-op cost is hidden.
+Sizes are per device: all_gather's is its output (the full buffer, as nccl-tests count it),
+the others' their input.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
-import platform
-import socket
-import subprocess
-import sys
 import time
-
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")  # leave room for torch's GEMM
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import numpy as np
 import jax
@@ -94,13 +79,14 @@ def time_call(f, x, repeats: int) -> float:
   return float(np.median(times))
 
 
-def bench_collectives(mesh, sizes, repeats, dtype=jnp.float32):
+def bench_collectives(mesh, sizes, repeats, dtype=jnp.float32, ops=OPS, progress=None):
+  """Rows {op, impl, dtype, bytes_per_device, time_us, busbw_gbps}; progress(label) after each."""
   n = mesh.shape["x"]
   rows = []
   rng = np.random.default_rng(0)
   for nbytes in sizes:
     k = ops_per_call(nbytes)
-    for op in OPS:
+    for op in ops:
       elems = per_device_input_elems(op, nbytes, n, np.dtype(dtype).itemsize)
       host = rng.standard_normal(elems * n, dtype=np.float32).astype(dtype)
       x = jax.device_put(host, NamedSharding(mesh, P("x")))
@@ -108,10 +94,10 @@ def bench_collectives(mesh, sizes, repeats, dtype=jnp.float32):
         f = jax.jit(jax.shard_map(chain_fn(mod, op, n, k), mesh=mesh, in_specs=P("x"),
                                   out_specs=P("x")))
         t = time_call(f, x, repeats) / k
-        rows.append(dict(op=op, impl=impl, bytes_per_device=nbytes, time_us=t * 1e6,
-                         busbw_gbps=nbytes / t * busbw_factor(op, n) / 1e9))
-        print(f"  {op:13s} {impl:10s} {fmt_bytes(nbytes):>8s} {t * 1e6:10.1f} us "
-              f"{rows[-1]['busbw_gbps']:8.1f} GB/s", flush=True)
+        rows.append(dict(op=op, impl=impl, dtype=np.dtype(dtype).name, bytes_per_device=nbytes,
+                         time_us=t * 1e6, busbw_gbps=nbytes / t * busbw_factor(op, n) / 1e9))
+        if progress:
+          progress(f"{op} {impl} {fmt_bytes(nbytes)}")
       del x
   return rows
 
@@ -139,8 +125,6 @@ def bench_raw_copy(sizes, repeats):
       t = float(np.median(times[1:]))
     rows.append(dict(op="copy", impl="copy_engine_raw", bytes_per_device=nbytes,
                      time_us=t * 1e6, busbw_gbps=nbytes / t / 1e9))
-    print(f"  {'copy':13s} {'raw CE':10s} {fmt_bytes(nbytes):>8s} {t * 1e6:10.1f} us "
-          f"{rows[-1]['busbw_gbps']:8.1f} GB/s", flush=True)
     del src, dst
   return rows
 
@@ -241,8 +225,6 @@ def bench_device_latency(mesh, sizes=(64 * KIB, 1 * MIB), k=50, gemm_n=4096):
                                   out_specs=(P("x"), P("x"))))
         t = (time_call(lambda v: f(v, a), x, 3) - t_base) / k
         rows.append(dict(op=op, impl=impl, bytes_per_device=nbytes, device_time_us=t * 1e6))
-        print(f"  {op:13s} {impl:10s} {fmt_bytes(nbytes):>8s} device time {t * 1e6:8.1f} us "
-              "(host hidden behind GEMMs)", flush=True)
   return rows
 
 
@@ -254,95 +236,3 @@ def machine_name() -> str:
   d = jax.devices()[0]
   kind = getattr(d, "device_kind", d.platform).replace(" ", "-")
   return f"{len(jax.devices())}x{kind}"
-
-
-def summary_table(result) -> str:
-  lines = ["op            size     hoccl_us    lax_us  hoccl/lax_bw  hoccl/raw_bw"]
-  raw = {r["bytes_per_device"]: r for r in result["collectives"] if r["impl"] == "copy_engine_raw"}
-  by = {(r["op"], r["impl"], r["bytes_per_device"]): r for r in result["collectives"]}
-  for op in OPS:
-    for nbytes in sorted({r["bytes_per_device"] for r in result["collectives"]}):
-      h, l = by.get((op, "jax_hoccl", nbytes)), by.get((op, "jax.lax", nbytes))
-      if not h or not l:
-        continue
-      rr = raw.get(nbytes)
-      ratio_raw = f"{h['busbw_gbps'] / rr['busbw_gbps']:.2f}" if rr else "-"
-      lines.append(f"{op:13s} {fmt_bytes(nbytes):>7s} {h['time_us']:10.1f} {l['time_us']:9.1f} "
-                   f"{h['busbw_gbps'] / l['busbw_gbps']:13.2f} {ratio_raw:>13s}")
-  if result.get("interference"):
-    lines.append("GEMM ratio beside op:  " + "  ".join(
-        f"{r['op']}/{'hoccl' if r['impl'] == 'jax_hoccl' else 'lax'}={r['gemm_ratio']:.3f}"
-        for r in result["interference"]))
-  lat = {(r["op"], r["impl"], r["bytes_per_device"]): r["device_time_us"]
-         for r in result.get("device_latency", [])}
-  if lat:
-    lines.append("device time with host hidden (us): " + "  ".join(
-        f"{op}@{fmt_bytes(b)}={lat[(op, 'jax_hoccl', b)]:.1f}/{lat[(op, 'jax.lax', b)]:.1f}"
-        for (op, impl, b) in lat if impl == "jax_hoccl"))
-  for r in result.get("fused", []):
-    lines.append(f"fused {r['op']:22s} {r['impl']:28s} {r['shape']:24s} {r['time_ms']:8.3f} ms "
-                 f"(GEMM only {r['gemm_only_ms']:.3f} ms, x{r['ratio']:.2f})")
-  return "\n".join(lines)
-
-
-def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--quick", action="store_true", help="64 KiB and 1 MiB only, no interference")
-  ap.add_argument("--sizes", type=str, default="", help="comma-separated MiB values (float)")
-  ap.add_argument("--repeats", type=int, default=5)
-  ap.add_argument("--no-interference", action="store_true")
-  ap.add_argument("--no-fused", action="store_true")
-  ap.add_argument("--fused-only", action="store_true", help="only the fused-op section")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-  args = ap.parse_args(argv)
-
-  devices = jax.devices()
-  on_gpu = devices[0].platform == "gpu"
-  mesh = jax.make_mesh((len(devices),), ("x",))
-  sizes = [64 * KIB, 1 * MIB] if args.quick else SIZES
-  if args.sizes:
-    sizes = [int(float(s) * MIB) for s in args.sizes.split(",")]
-  print(f"jax_hoccl benchmark: {len(devices)} x {devices[0].device_kind}, jax {jax.__version__}",
-        flush=True)
-  result = dict(
-      machine=f"{socket.gethostname()} ({machine_name()})", gpus=len(devices) if on_gpu else 0,
-      devices=[str(d.device_kind) for d in devices], jax=jax.__version__,
-      date=datetime.date.today().isoformat(), commit=git_commit(), python=platform.python_version(),
-      collectives=[], interference=[], fused=[], device_latency=[])
-  if not args.fused_only:
-    print("== collectives", flush=True)
-    result["collectives"] = bench_collectives(mesh, sizes, args.repeats)
-  if on_gpu and len(devices) >= 2 and not args.fused_only:
-    result["collectives"] += bench_raw_copy(sizes, args.repeats)
-    if not args.quick and not args.no_interference:
-      print("== interference", flush=True)
-      result["interference"] = bench_interference(mesh)
-    print("== small-op device time (host hidden)", flush=True)
-    result["device_latency"] = bench_device_latency(mesh)
-  if not args.no_fused:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `python -P` leaves it out
-    from bench_fused import bench_fused
-    print("== fused", flush=True)
-    result["fused"] = bench_fused(mesh, quick=args.quick or not on_gpu)
-  os.makedirs(args.out, exist_ok=True)
-  suffix = "-fused" if args.fused_only else ""  # a fused-only run keeps the full run's file
-  path = os.path.join(args.out, f"{result['date']}-{machine_name()}{suffix}.json")
-  with open(path, "w") as f:
-    json.dump(result, f, indent=1)
-  print(f"wrote {path}")
-  print(summary_table(result))
-
-
-def git_commit() -> str:
-  # A device machine may get the working tree with a stale .git: JAX_HOCCL_COMMIT wins.
-  if os.environ.get("JAX_HOCCL_COMMIT"):
-    return os.environ["JAX_HOCCL_COMMIT"]
-  try:
-    return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                   cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-  except Exception:
-    return "unknown"
-
-
-if __name__ == "__main__":
-  sys.exit(main())

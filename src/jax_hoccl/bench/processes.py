@@ -3,12 +3,12 @@ process, on whatever devices exist (CPU: 2 devices in one process vs 2 processes
 one GPU: 2 processes sharing it, reported alone). jit calls of a psum of 64 KiB dispatched
 back to back and waited for at the end; the median of 5 rounds of 200 calls.
 
-    python benchmarks/bench_processes.py [--out benchmarks/results]
+    python -m jax_hoccl.bench --processes [--out DIR]
 """
 from __future__ import annotations
 
-import argparse
 import datetime
+import glob
 import json
 import os
 import platform
@@ -65,15 +65,13 @@ def _run(n_proc, env):
   return max(r["us_per_call"] for r in results), results[0]["platform"]
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-  a = ap.parse_args()
+def run(out_dir: str, commit: str) -> str:
+  """Runs the comparison; writes and returns the results JSON's path."""
   base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_HOCCL_NODE")}
   # XLA:CPU hangs with many launches in flight and few threads (docs/design.md, section 3).
   base.setdefault("PJRT_NPROC", "16")
   base.setdefault("JAX_HOCCL_TIMEOUT_S", "60")
-  gpu = bool(__import__("glob").glob("/dev/nvidia[0-9]*"))
+  gpu = bool(glob.glob("/dev/nvidia[0-9]*"))
   rows = {}
   if gpu:
     env = {**base, "BENCH_GPU": "1", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"}
@@ -84,8 +82,6 @@ def main():
     rows["2 processes, 1 CPU device each"], _ = _run(
         2, {**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
   import jax
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
   result = {"what": "host time per jit call of a 64 KiB psum (median of 5 x 200 calls)",
             "platform": plat, "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
             "jax": jax.__version__, "commit": commit, "date": str(datetime.date.today()),
@@ -93,12 +89,8 @@ def main():
   print(f"{'setup':<34} us per call")
   for k, v in rows.items():
     print(f"{k:<34} {v:10.1f}")
-  os.makedirs(a.out, exist_ok=True)
-  name = os.path.join(a.out, f"{result['date']}-{'1xH200' if gpu else 'cpu'}-processes.json")
+  os.makedirs(out_dir, exist_ok=True)
+  name = os.path.join(out_dir, f"{result['date']}-{'1xH200' if gpu else 'cpu'}-processes.json")
   with open(name, "w") as f:
     json.dump(result, f, indent=1)
-  print("wrote", name)
-
-
-if __name__ == "__main__":
-  main()
+  return name

@@ -1,6 +1,6 @@
 """Fused matmul-collective ops vs their unfused jax.lax forms, the ppermute "collective
 matmul" recipe, and the local GEMM alone (the floor a perfectly hidden exchange reaches).
-Imported by bench.py; rows: {"op", "impl", "shape", "time_ms", "gemm_only_ms", "ratio"}.
+The fused section of `python -m jax_hoccl.bench`; rows: {"op", "impl", "shape", "time_ms", "gemm_only_ms", "ratio"}.
 
 Each timing runs the op 10 times in a fori_loop inside one jit (the output feeds one element
 of the next input, an in-place update), divided by 10. The GEMM alone and every variant of a

@@ -1,0 +1,57 @@
+"""`python -m jax_hoccl.bench` end to end on CPU (tiny sizes), its results JSON against the
+schema, and `--plot` on a committed GPU results file (skipped without matplotlib)."""
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jax_hoccl.bench import report
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench(tmp_path, *args):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  return subprocess.run([sys.executable, "-P", "-m", "jax_hoccl.bench", *args,
+                         "--out", str(tmp_path)], env=env, capture_output=True, text=True,
+                        timeout=900)
+
+
+def test_bench_runs_and_writes_a_valid_json(tmp_path):
+  out = _bench(tmp_path, "--ops", "psum,all_gather", "--sizes", "0.0625", "--repeats", "1",
+               "--quick")
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert "CPU timings say nothing about GPUs" in out.stderr
+  assert "2/4" in out.stderr  # the progress bar
+  files = glob.glob(str(tmp_path / "*.json"))
+  assert len(files) == 1, files
+  result = json.load(open(files[0]))
+  report.validate(result)
+  assert {r["op"] for r in result["collectives"]} == {"psum", "all_gather"}
+  assert {r["impl"] for r in result["collectives"]} == {"jax_hoccl", "jax.lax"}
+  assert result["fused"], "the quick fused section ran"
+  assert "hoccl/lax" in out.stdout and "psum" in out.stdout.split("hoccl/lax")[1]
+
+
+def test_schema_names_the_broken_field():
+  good = json.load(open(os.path.join(REPO, "benchmarks/results/2026-11-30-2xNVIDIA-H200.json")))
+  report.validate(good)
+  bad = dict(good, collectives=[dict(good["collectives"][0], time_us="fast")])
+  with pytest.raises(ValueError, match=r"collectives\[0\]\.time_us"):
+    report.validate(bad)
+  with pytest.raises(ValueError, match="missing field 'commit'"):
+    report.validate({k: v for k, v in good.items() if k != "commit"})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
+def test_plot_draws_a_committed_result(tmp_path):
+  res = os.path.join(REPO, "benchmarks/results/2026-11-30-2xNVIDIA-H200.json")
+  out = _bench(tmp_path, "--plot", str(tmp_path / "fig"), res)
+  assert out.returncode == 0, out.stderr[-3000:]
+  for name in ("busbw.png", "small_ops.png", "fused.png"):
+    path = tmp_path / "fig" / name
+    assert path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
