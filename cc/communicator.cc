@@ -55,13 +55,15 @@ static CompletionPool& Completions() {
 
 void RunDetached(std::function<void()> task) { Completions().Run(std::move(task)); }
 
+// Read once, at the first collective (the Python side checked its format at the first
+// lowering: src/jax_hoccl/_src/environment.py).
 double TimeoutSeconds() {
-  const char* v = std::getenv("JAX_HOCCL_TIMEOUT_S");
-  if (v && *v) {
-    double t = std::atof(v);
-    if (t > 0) return t;
-  }
-  return 300.0;
+  static const double seconds = [] {
+    const char* v = std::getenv("JAX_HOCCL_TIMEOUT_S");
+    double t = (v && *v) ? std::atof(v) : 0.0;
+    return t > 0 ? t : 300.0;
+  }();
+  return seconds;
 }
 
 // Messages are built with std::string + snprintf, not iostreams: iostreams need the locale

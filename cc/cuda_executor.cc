@@ -59,16 +59,27 @@ bool DebugEnabled() {
 
 }  // namespace
 
+// The copy layout's overrides, read once at the first collective (0: not set).
+struct CopyLayoutEnv {
+  size_t multistream_min_bytes;
+  long long chunks, channels;
+};
+const CopyLayoutEnv& CopyLayout() {
+  static const CopyLayoutEnv env{
+      static_cast<size_t>(EnvInt("JAX_HOCCL_MULTISTREAM_MIN_BYTES", kMultiStreamMinBytes)),
+      EnvInt("JAX_HOCCL_CHUNKS", 0, 1), EnvInt("JAX_HOCCL_CHANNELS", 0, 1)};
+  return env;
+}
+
 PlanOptions ChooseCudaPlanOptions(const OpSpec& spec) {
   PlanOptions o;
-  const size_t threshold =
-      static_cast<size_t>(EnvInt("JAX_HOCCL_MULTISTREAM_MIN_BYTES", kMultiStreamMinBytes));
-  if (BlockBytes(spec) >= threshold) {
+  const CopyLayoutEnv& env = CopyLayout();
+  if (BlockBytes(spec) >= env.multistream_min_bytes) {
     o.chunks = 1;
     o.channels = kLargeMessageChannels;
   }
-  o.chunks = static_cast<int>(std::min<long long>(EnvInt("JAX_HOCCL_CHUNKS", o.chunks), 64));
-  o.channels = static_cast<int>(std::min<long long>(EnvInt("JAX_HOCCL_CHANNELS", o.channels), 64));
+  if (env.chunks) o.chunks = static_cast<int>(std::min<long long>(env.chunks, 64));
+  if (env.channels) o.channels = static_cast<int>(std::min<long long>(env.channels, 64));
   return o;
 }
 
@@ -426,7 +437,8 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   const std::string prefix = Prefix(spec, op, device);
   HOCCL_TRACE("%s rank %d: CUDA device %d\n", op, spec.rank, device);
   // Peers in this process: their buffers' addresses are ours. Else the node's IPC transport.
-  DirectTransport direct(comm, EnvInt("JAX_HOCCL_SPIN_US", kDefaultSpinMicros, 0));
+  static const long long spin_us = EnvInt("JAX_HOCCL_SPIN_US", kDefaultSpinMicros, 0);
+  DirectTransport direct(comm, spin_us);
   std::unique_ptr<PeerTransport> ipc;
   if (!AllLocal(comm.device_ids())) {
     err = IpcTransport::Make(comm, device, op, &ipc);

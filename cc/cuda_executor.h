@@ -69,7 +69,7 @@ size_t BlockBytes(const OpSpec& spec);
 
 // Chunks/channels for `spec` on the GPU: 1 chunk on 1 channel below kMultiStreamMinBytes,
 // else 1 chunk per peer spread over kLargeMessageChannels channels; env JAX_HOCCL_CHUNKS and
-// JAX_HOCCL_CHANNELS override either (read at every call).
+// JAX_HOCCL_CHANNELS override either (read once, at the first collective).
 PlanOptions ChooseCudaPlanOptions(const OpSpec& spec);
 
 // Enqueues `spec` for spec.rank on `stream` (XLA's stream of the current device, lane 0, or
