@@ -337,3 +337,35 @@ def test_host_profile_counts_handler_calls(enabled):
   (phase, calls, ns), = res["after"]
   assert phase == "cpu handler" and calls == 24 and ns > 0
   assert res["cleared"] == res["after"]  # reading without reset keeps the counts
+
+
+def test_route_psums_puts_jax_own_sums_on_jax_hoccl():
+  """A plain data-parallel gradient (replicated weight, sharded data, check_vma=True): JAX
+  inserts the gradient all-reduce itself. With jax_hoccl.route_psums() it lowers to jax_hoccl
+  (no XLA all-reduce left), as does an explicit jax.lax.psum; the values are jax.lax's; off
+  again, XLA's all-reduce is back."""
+  mesh = jax.make_mesh((8,), ("dp",), devices=jax.devices("cpu")[:8])
+  rng = np.random.default_rng(3)
+  w = jax.device_put(rng.standard_normal((5, 4)).astype(np.float32), NamedSharding(mesh, P()))
+  x = jax.device_put(rng.standard_normal((16, 5)).astype(np.float32), NamedSharding(mesh, P("dp")))
+
+  def make():
+    def step(w, x):
+      g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)  # implicit psum over dp
+      return g, jax.lax.psum(jnp.sum(x), "dp")              # explicit jax.lax.psum
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("dp")), out_specs=(P(), P())))
+
+  ref = make()
+  want = ref(w, x)
+  assert "all_reduce" in ref.lower(w, x).as_text()
+  was = hc.route_psums()
+  try:
+    routed = make()
+    text = routed.lower(w, x).as_text()
+    assert "hoccl_" in text and "all_reduce" not in text
+    got = routed(w, x)
+    for g, r in zip(got, want):
+      np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+  finally:
+    hc.route_psums(was)
+  assert "all_reduce" in make().lower(w, x).as_text()

@@ -20,6 +20,7 @@ from jax_hoccl._src.ops.ppermute import ppermute
 from jax_hoccl._src.ops.pmax import pmax, pmin
 from jax_hoccl._src.ops.psum import pmean, psum, psum_algorithm
 from jax_hoccl._src.ops.psum_scatter import psum_scatter
+from jax_hoccl._src.routing import route_psums
 
 __version__ = "0.1.0"
 __all__ = [
@@ -32,5 +33,7 @@ __all__ = [
     # fused matmul-collective ops
     "all_gather_matmul", "matmul_reduce_scatter", "matmul_psum", "matmul_all_to_all",
     "embedding_all_to_all",
+    # JAX's own psums (jax.lax.psum, implicit gradient sums) on jax_hoccl
+    "route_psums",
     "with_cuda",
 ]

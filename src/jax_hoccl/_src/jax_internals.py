@@ -7,6 +7,7 @@ when jax changes, this is the file to fix. Checked against jax 0.11.2.
 """
 from __future__ import annotations
 
+import jax
 from jax._src import config as _config
 from jax._src import core
 from jax._src.interpreters import ad, batching, mlir
@@ -33,6 +34,30 @@ def varying_axes(aval) -> frozenset:
 def with_type(aval, shape, varying) -> core.ShapedArray:
   """`aval` with a new shape and set of varying manual axes."""
   return aval.update(shape=tuple(shape), manual_axis_type=aval.mat.update(varying=frozenset(varying)))
+
+
+def psum_invariant_primitive():
+  """The primitive jax.lax.psum binds under check_vma=True, and the one JAX inserts itself as
+  the transpose of an implicit pvary (the gradient sum of a replicated parameter)."""
+  from jax._src.lax import parallel
+  prim = getattr(parallel, "psum_invariant_p", None)
+  if prim is None or prim not in mlir._lowerings:
+    raise RuntimeError(f"jax {jax.__version__} has no psum_invariant primitive with a lowering "
+                       "as jax 0.11.2 has: jax_hoccl.route_psums cannot take it over.")
+  return prim
+
+
+def swap_lowering(prim, rule):
+  """Replaces prim's lowering (every platform); returns (its old rule, a function that puts
+  the old one back). jax keeps each rule in an entry object with the callable as .rule."""
+  entry = mlir._lowerings[prim]
+  old_rule = getattr(entry, "rule", entry)
+  mlir.register_lowering(prim, rule)
+
+  def restore():
+    mlir._lowerings[prim] = entry
+
+  return old_rule, restore
 
 
 def bound_axis(name) -> bool:
