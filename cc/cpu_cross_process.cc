@@ -2,11 +2,13 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <tuple>
 
-#include "job.h"
+#include "cpu_executor.h"
 #include "node_rendezvous.h"
 
 namespace hoccl {
@@ -93,12 +95,8 @@ std::string RunCpuAcrossProcesses(const OpSpec& spec, const std::vector<int64_t>
                                   const void* input, void* output, const std::string& op_name) {
   const char* op = op_name.c_str();
   const int n = spec.group_size, rank = spec.rank;
-  std::vector<int> local;
-  const int me = Job().process_index;
-  for (int r = 0; r < n; ++r)
-    if (ProcessOf(device_ids[r]) == me) local.push_back(r);
   NodeRendezvous* rv = nullptr;
-  std::string err = NodeRendezvous::Get(device_ids, local, op, &rv);
+  std::string err = NodeRendezvous::Get(device_ids, op, &rv);
   if (!err.empty()) return err;
   const CallKey key{instruction, rv->NextCount(rank, instruction)};
 
@@ -123,17 +121,7 @@ std::string RunCpuAcrossProcesses(const OpSpec& spec, const std::vector<int64_t>
     err = rv->Find(rank, peer, key, what, &entries[peer], op);
     if (err.empty()) err = PeerStaging(*rv, peer, entries[peer], &inputs[peer]);
   }
-  if (err.empty()) {
-    char* out = static_cast<char*>(output);
-    for (const Step& s : MakePlan(spec, PlanOptions{})) {
-      if (s.kind == StepKind::kCopy) {
-        std::memcpy(out + s.dst_offset, static_cast<const char*>(inputs[s.peer]) + s.src_offset,
-                    s.bytes);
-      } else if (s.kind == StepKind::kZero) {
-        std::memset(out + s.dst_offset, 0, s.bytes);
-      }
-    }
-  }
+  if (err.empty()) RunPlanOnHost(spec, inputs, output);
   // The done handshake: the owners may reuse their entries (and staging).
   for (int p = 0; p < n; ++p)
     if (p != rank && entries[p].index >= 0) rv->Release(p, entries[p].index);

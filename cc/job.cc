@@ -30,19 +30,27 @@ JobInfo Job() {
   return JobRef();
 }
 
-int ProcessOf(int64_t device) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  const JobInfo& j = JobRef();
+int ProcessOfLocked(const JobInfo& j, int64_t device) {  // requires g_mu
   if (device < 0 || static_cast<size_t>(device) >= j.device_process.size()) return j.process_index;
   return static_cast<int>(j.device_process[device]);
 }
 
-bool AllLocal(const std::vector<int64_t>& ids) {
-  const int me = Job().process_index;
-  for (int64_t d : ids)
-    if (ProcessOf(d) != me) return false;
-  return true;
+int ProcessOf(int64_t device) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return ProcessOfLocked(JobRef(), device);
 }
+
+// Called on every collective: one lock, no copy of the job.
+std::vector<int> LocalRanks(const std::vector<int64_t>& ids) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  const JobInfo& j = JobRef();
+  std::vector<int> ranks;
+  for (size_t r = 0; r < ids.size(); ++r)
+    if (ProcessOfLocked(j, ids[r]) == j.process_index) ranks.push_back(static_cast<int>(r));
+  return ranks;
+}
+
+bool AllLocal(const std::vector<int64_t>& ids) { return LocalRanks(ids).size() == ids.size(); }
 
 std::vector<int64_t>& LocalDevices() {
   static auto* ids = new std::vector<int64_t>();

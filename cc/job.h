@@ -23,6 +23,8 @@ struct JobInfo {
 void SetJob(JobInfo info);
 // A copy of the job (empty secret when no job was set).
 JobInfo Job();
+// The ranks (indices into `ids`) whose devices belong to this process.
+std::vector<int> LocalRanks(const std::vector<int64_t>& ids);
 // Whether every device of `ids` belongs to this process.
 bool AllLocal(const std::vector<int64_t>& ids);
 // The process that owns `device` (this one when no job was set).

@@ -191,8 +191,7 @@ bool ProcessExited(int pid) {
 
 }  // namespace
 
-std::string NodeRendezvous::Get(const std::vector<int64_t>& device_ids,
-                                const std::vector<int>& local_ranks, const char* op,
+std::string NodeRendezvous::Get(const std::vector<int64_t>& device_ids, const char* op,
                                 NodeRendezvous** out) {
   static std::mutex mu;
   static auto* all = new std::map<std::vector<int64_t>, std::unique_ptr<NodeRendezvous>>();
@@ -207,6 +206,7 @@ std::string NodeRendezvous::Get(const std::vector<int64_t>& device_ids,
     return std::string("jax_hoccl ") + op + ": the group [" + IdsText(device_ids) +
            "] spans processes, but this process joined no job (jax.distributed)";
   const int n = static_cast<int>(device_ids.size());
+  const std::vector<int> local_ranks = LocalRanks(device_ids);
   const std::string name = "/jax_hoccl-" + job.secret.substr(0, 32) + "-" + GroupHash(device_ids);
   const size_t bytes = Segment::Bytes(n);
   const bool creator = !local_ranks.empty() && local_ranks.front() == 0;
@@ -248,7 +248,7 @@ std::string NodeRendezvous::Get(const std::vector<int64_t>& device_ids,
           static_cast<int32_t>(local_ranks.size()) == n) {
     Unlink(name);
   }
-  slot = std::make_unique<NodeRendezvous>(name, n, device_ids, seg);
+  slot = std::make_unique<NodeRendezvous>(name, job.secret, n, device_ids, seg);
   *out = slot.get();
   return "";
 }

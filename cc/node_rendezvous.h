@@ -47,13 +47,13 @@ struct PeerEntry {
 class NodeRendezvous {
  public:
   // The rendezvous of the group `device_ids` (global ids in rank order), attached once per
-  // process; `local_ranks` are the ranks this process holds. `op` names the caller in errors.
-  static std::string Get(const std::vector<int64_t>& device_ids,
-                         const std::vector<int>& local_ranks, const char* op,
+  // process for the ranks this process holds (cc/job.h). `op` names the caller in errors.
+  static std::string Get(const std::vector<int64_t>& device_ids, const char* op,
                          NodeRendezvous** out);
 
   int size() const { return n_; }
   const std::string& name() const { return name_; }  // the segment's (unlinked) name
+  const std::string& secret() const { return secret_; }  // the job's (cc/job.h)
 
   // Publishes `rank`'s entry for `key`; waits for a free ring entry if all are in use. `fill`
   // runs first with the entry's index: it prepares what the entry points to (e.g. copies the
@@ -79,8 +79,10 @@ class NodeRendezvous {
   std::atomic<int32_t>* Opens(int owner, int index);
 
   struct Segment;
-  NodeRendezvous(std::string name, int n, std::vector<int64_t> device_ids, Segment* seg)
-      : name_(std::move(name)), n_(n), device_ids_(std::move(device_ids)), seg_(seg) {}
+  NodeRendezvous(std::string name, std::string secret, int n, std::vector<int64_t> device_ids,
+                 Segment* seg)
+      : name_(std::move(name)), secret_(std::move(secret)), n_(n),
+        device_ids_(std::move(device_ids)), seg_(seg) {}
 
  private:
   std::string Describe(int rank) const;
@@ -92,6 +94,7 @@ class NodeRendezvous {
                       const std::string& waiting_for, Pred ready);
 
   const std::string name_;
+  const std::string secret_;
   const int n_;
   const std::vector<int64_t> device_ids_;
   Segment* seg_;

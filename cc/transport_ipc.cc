@@ -44,12 +44,8 @@ std::string IpcTransport::Make(const Communicator& comm, int device, const char*
   std::string server;
   std::string err = StartServer(&server);
   if (!err.empty()) return err;
-  std::vector<int> local;
-  const int me = Job().process_index;
-  for (int r = 0; r < comm.size(); ++r)
-    if (ProcessOf(comm.device_ids()[r]) == me) local.push_back(r);
   NodeRendezvous* rv = nullptr;
-  err = NodeRendezvous::Get(comm.device_ids(), local, op, &rv);
+  err = NodeRendezvous::Get(comm.device_ids(), op, &rv);
   if (!err.empty()) return err;
   *out = std::make_unique<IpcTransport>(*rv, device);
   return "";
@@ -74,7 +70,6 @@ std::string IpcTransport::Meet(int rank, CallKey key, const std::string& what,
   }, &index, op);
   if (!err.empty()) return err;
   found_.assign(n, PeerEntry{});
-  const std::string secret = Job().secret;
   for (int k = 1; k < n && err.empty(); ++k) {
     const int peer = (rank + k) % n;
     err = rv_.Find(rank, peer, key, what, &found_[peer], op);
@@ -82,7 +77,7 @@ std::string IpcTransport::Meet(int rank, CallKey key, const std::string& what,
     IpcRange theirs;
     std::memcpy(&theirs, found_[peer].payload, sizeof theirs);
     const int pid = static_cast<int>(found_[peer].payload[kPidWord]);
-    err = MapPeerRange(ServerName(secret, pid), theirs, device_, &(*out)[peer]);
+    err = MapPeerRange(ServerName(rv_.secret(), pid), theirs, device_, &(*out)[peer]);
   }
   return err;
 }

@@ -177,6 +177,31 @@ def gpus():
     return []
 
 
+def run_processes(tmp_path, worker: str, timeout: float, n: int = 2, env=None,
+                  drop=("XLA_FLAGS", "JAX_HOCCL_NODE")):
+  """Runs `worker` as processes 0..n-1 of a jax.distributed job on localhost (argv: address,
+  process id, n) with this environment less `drop`, plus `env`; their outputs."""
+  from jax_hoccl.launch import local_address
+  script = tmp_path / "worker.py"
+  script.write_text(worker)
+  addr = local_address()
+  base = {k: v for k, v in os.environ.items() if k not in drop}
+  procs = [subprocess.Popen([sys.executable, "-P", str(script), addr, str(i), str(n)],
+                            env={**base, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+           for i in range(n)]
+  try:
+    return [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+
+
+def shared_memory_left():
+  """jax_hoccl's names in /dev/shm (none may survive a job)."""
+  return [f for f in os.listdir("/dev/shm") if f.startswith("jax_hoccl-")]
+
+
 def run_script(script, timeout=240, env_extra=None):
   """Runs `script` in a fresh Python (its own XLA flags, timeouts) and returns (the JSON it
   printed after "RESULT", wall seconds); fails with its output if it printed none."""

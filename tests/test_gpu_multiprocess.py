@@ -6,13 +6,11 @@ do not match. Skipped without a GPU; this file must run in a pytest process that
 started JAX on the GPU itself (scripts/gpu_check.sh runs it first)."""
 import glob
 import importlib.util
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from conftest import run_processes, shared_memory_left
 
 HAS_GPU = bool(glob.glob("/dev/nvidia[0-9]*")) and any(
     importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
@@ -176,30 +174,12 @@ FAILURE_WORKER = PRELUDE + textwrap.dedent("""
 """)
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _run(tmp_path, worker, timeout, env=None):
-  script = tmp_path / "worker.py"
-  script.write_text(worker)
-  addr = f"127.0.0.1:{_free_port()}"
-  base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  base.update(XLA_PYTHON_CLIENT_MEM_FRACTION="0.3", **(env or {}))
-  procs = [subprocess.Popen([sys.executable, "-P", str(script), addr, str(i), "2"], env=base,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
-  try:
-    return [p.communicate(timeout=timeout)[0] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-
-
-def _left_in_dev_shm():
-  return [f for f in os.listdir("/dev/shm") if f.startswith("jax_hoccl-")]
+  """Two processes sharing GPU 0, each with 0.3 of its memory (JAX_PLATFORMS dropped: they
+  must see the GPU)."""
+  return run_processes(tmp_path, worker, timeout, 2,
+                       env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3", **(env or {})},
+                       drop=("XLA_FLAGS", "JAX_PLATFORMS"))
 
 
 def test_two_processes_on_one_gpu_every_op(tmp_path):
@@ -208,7 +188,7 @@ def test_two_processes_on_one_gpu_every_op(tmp_path):
     print(out[-1500:])
   for out in outs:
     assert "GPU_MP_OK" in out, out[-4000:]
-  assert not _left_in_dev_shm()
+  assert not shared_memory_left()
 
 
 def test_two_processes_on_one_gpu_without_preallocation(tmp_path):
@@ -232,7 +212,7 @@ def test_peer_that_exits(tmp_path):
   out = _run(tmp_path, FAILURE_WORKER, 120, {"MODE": "exit", "JAX_HOCCL_TIMEOUT_S": "30"})[0]
   assert "ERROR after" in out and "exited" in out, out[-3000:]
   assert float(out.split("ERROR after ")[1].split(" s")[0]) < 30
-  assert not _left_in_dev_shm()
+  assert not shared_memory_left()
 
 
 def test_mismatched_calls_are_an_immediate_error(tmp_path):

@@ -4,12 +4,13 @@ cc/node_rendezvous.h, cc/cpu_cross_process.h) and equal jax.lax (gloo); groups a
 (JAX_HOCCL_NODE gives each process its own) compose jax_hoccl inside each node with XLA's
 collectives between them; async pairs across nodes are rejected at lowering."""
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from conftest import run_processes, shared_memory_left
 
 WORKER = textwrap.dedent("""
     import os, sys
@@ -34,36 +35,8 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _run_processes(tmp_path, worker: str, timeout: float, n: int = 2, env=None):
-  """Runs `worker` as processes 0..n-1 of a jax.distributed job on localhost (argv: address,
-  process id, n); their output."""
-  script = tmp_path / "worker.py"
-  script.write_text(worker)
-  addr = f"127.0.0.1:{_free_port()}"
-  base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_HOCCL_NODE")}
-  procs = [subprocess.Popen([sys.executable, "-P", str(script), addr, str(i), str(n)],
-                            env={**base, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-           for i in range(n)]
-  try:
-    return [p.communicate(timeout=timeout)[0] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-
-
 def _run_two_processes(tmp_path, worker: str, timeout: float, env=None):
-  return _run_processes(tmp_path, worker, timeout, 2, env)
-
-
-def _no_shared_memory_left():
-  return [f for f in os.listdir("/dev/shm") if f.startswith("jax_hoccl-")]
+  return run_processes(tmp_path, worker, timeout, 2, env)
 
 
 def test_async_pair_across_nodes_is_rejected(tmp_path):
@@ -165,7 +138,7 @@ def test_collectives_across_processes_of_one_node_equal_lax(tmp_path):
   engine across the processes (no XLA collective in the program) and equals jax.lax."""
   for out in _run_two_processes(tmp_path, HIERARCHICAL_WORKER, timeout=300):
     assert "HIERARCHICAL_OK" in out, out[-3000:]
-  assert not _no_shared_memory_left()
+  assert not shared_memory_left()
 
 
 ONE_NODE_WORKER = textwrap.dedent("""
@@ -284,10 +257,10 @@ def test_every_op_across_processes_of_one_node(tmp_path):
   """4 processes, one device each, on one node: every collective on 4 dtypes and sizes that
   are multiples of no chunk, async pairs and fused ops equal jax.lax (gloo); the programs
   contain no XLA collective; 1000 calls leave no fd, mapping or shared memory behind."""
-  outs = _run_processes(tmp_path, ONE_NODE_WORKER, timeout=600, n=4)
+  outs = run_processes(tmp_path, ONE_NODE_WORKER, timeout=600, n=4)
   for out in outs:
     assert "ONE_NODE_OK" in out, out[-3000:]
-  assert not _no_shared_memory_left()
+  assert not shared_memory_left()
 
 
 PEER_FAILURE_WORKER = textwrap.dedent("""
@@ -338,7 +311,7 @@ def test_peer_that_never_calls_times_out_naming_the_op(tmp_path):
   assert "ERROR after" in out, out[-2000:]
   assert "jax_hoccl psum" in out and "timed out after 5 s" in out, out[-2000:]
   assert "from peer(s): rank 1 (device " in out and ", process 1, pid" in out, out[-2000:]
-  assert not _no_shared_memory_left()
+  assert not shared_memory_left()
 
 
 def test_peer_process_that_exits_is_reported_not_waited_for(tmp_path):
@@ -347,7 +320,7 @@ def test_peer_process_that_exits_is_reported_not_waited_for(tmp_path):
   seconds = float(out.split("ERROR after ")[1].split(" s")[0])
   assert "exited" in out and "jax_hoccl psum" in out, out[-2000:]
   assert seconds < 5, out[-2000:]  # found dead before the timeout
-  assert not _no_shared_memory_left()
+  assert not shared_memory_left()
 
 
 @pytest.mark.parametrize("mode,theirs", [("other op", "all_gather of 16 bytes"),
@@ -375,4 +348,4 @@ def test_launcher_runs_the_example_as_two_processes():
   text = out.stdout + out.stderr
   assert "[0] MATCH" in text and "[1] MATCH" in text, text[-3000:]
   assert "8 cpu devices, mesh dp=4 x tp=2" in text, text[-3000:]
-  assert not _no_shared_memory_left()
+  assert not shared_memory_left()

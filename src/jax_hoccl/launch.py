@@ -36,10 +36,11 @@ def initialize() -> bool:
   return True
 
 
-def _free_port() -> int:
+def local_address() -> str:
+  """A jax.distributed coordinator address on this machine (a free port of 127.0.0.1)."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+    return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def _pump(stream, prefix: str) -> None:
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
   if a.nproc < 1:
     ap.error("--nproc must be >= 1")
   gpus = len(glob.glob("/dev/nvidia[0-9]*"))
-  address = f"127.0.0.1:{_free_port()}"
+  address = local_address()
   procs, pumps = [], []
   for i in range(a.nproc):
     env = dict(os.environ)

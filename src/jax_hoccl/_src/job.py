@@ -13,7 +13,7 @@ import socket
 import numpy as np
 import jax
 
-from jax_hoccl._src import ffi_targets
+from jax_hoccl._src import environment, ffi_targets
 from jax_hoccl._src import jax_internals as ji
 
 _PREFIX = "jax_hoccl/job/"
@@ -35,17 +35,10 @@ def node_name() -> str:
 
 
 def timeout_s() -> float:
-  """JAX_HOCCL_TIMEOUT_S: seconds to wait for a peer (default 300)."""
-  raw = os.environ.get("JAX_HOCCL_TIMEOUT_S", "")
-  if not raw:
-    return 300.0
-  try:
-    value = float(raw)
-  except ValueError:
-    value = -1.0
-  if not value > 0:
-    raise ValueError(f"JAX_HOCCL_TIMEOUT_S must be a positive number of seconds, got {raw!r}")
-  return value
+  """JAX_HOCCL_TIMEOUT_S: seconds to wait for a peer (default 300), checked by environment.py
+  (this may run before the first registration, which checks it too)."""
+  environment.check()
+  return float(os.environ.get("JAX_HOCCL_TIMEOUT_S") or 300.0)
 
 
 def nodes() -> list[str]:

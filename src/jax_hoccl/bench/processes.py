@@ -12,10 +12,11 @@ import glob
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import textwrap
+
+from jax_hoccl.launch import local_address
 
 WORKER = textwrap.dedent("""
     import os, sys, time, json
@@ -47,14 +48,8 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _run(n_proc, env):
-  addr = f"127.0.0.1:{_free_port()}"
+  addr = local_address()
   procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(n_proc), str(i), addr, "1"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(n_proc)]
