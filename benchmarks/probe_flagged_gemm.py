@@ -16,14 +16,14 @@ for m, k, n in shapes:
   b = (jax.random.normal(jax.random.key(1), (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
   out = jnp.zeros((m, n), jnp.bfloat16); flags = jnp.zeros((m // 1024,), jnp.int32)
   xla = jax.jit(lambda a, b: a @ b)
-  flagged = jax.jit(lambda a, b, o, fl: fg.flagged_matmul_into(a, b, o, fl, flag_rows=1024))
+  flagged = jax.jit(lambda a, b, o, fl: fg.flagged_matmul(a, b, out=o, flags=fl, flag_rows=1024))
   raise_flag = fg._raise_flag
   fg._raise_flag = lambda *a, **k: None
-  noflags = jax.jit(lambda a, b, o, fl: fg.flagged_matmul_into(a, b, o, fl, flag_rows=1024))
+  noflags = jax.jit(lambda a, b, o, fl: fg.flagged_matmul(a, b, out=o, flags=fl, flag_rows=1024))
   noflags(a, b, out, flags).block_until_ready()  # traced while the raises are removed
   fg._raise_flag = raise_flag
   fg.FLAG_SCOPE = "sys"
-  sysflags = jax.jit(lambda a, b, o, fl: fg.flagged_matmul_into(a, b, o, fl, flag_rows=1024))
+  sysflags = jax.jit(lambda a, b, o, fl: fg.flagged_matmul(a, b, out=o, flags=fl, flag_rows=1024))
   sysflags(a, b, out, flags).block_until_ready()
   fg.FLAG_SCOPE = "gpu"
   tx, tf, tn, ts = [], [], [], []

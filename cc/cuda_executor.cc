@@ -289,6 +289,7 @@ struct CallContext {
   const RankState& st;
   uint64_t value;  // flag value of this call (sequence + 1)
   int lane;        // which row of every flag array (cuda_executor.h: kLanes)
+  const Announce* announce;  // or null
 };
 
 size_t Row(const CallContext& c) { return 2 * static_cast<size_t>(c.spec.group_size) * c.lane; }
@@ -308,6 +309,18 @@ std::string Copy(const CallContext& c, const Step& s, cudaStream_t stream) {
   const char* src = static_cast<const char*>(c.inputs[s.peer]) + s.src_offset;
   char* dst = static_cast<char*>(c.output) + s.dst_offset;
   cudaMemcpyKind kind = s.peer == c.spec.rank ? cudaMemcpyDeviceToDevice : cudaMemcpyDefault;
+#if CUDART_VERSION >= 13000
+  if (c.announce) {  // a GEMM waits for these rows: copy engines only (cuda_executor.h)
+    cudaMemcpyAttributes attr = {};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    void* dsts[1] = {dst};
+    const void* srcs[1] = {src};
+    size_t sizes[1] = {s.bytes}, attr_index = 0;
+    HOCCL_CUDA_RETURN(cudaMemcpyBatchAsync(dsts, srcs, sizes, 1, &attr, &attr_index, 1, stream));
+    return "";
+  }
+#endif
   HOCCL_CUDA_RETURN(cudaMemcpyAsync(dst, src, s.bytes, kind, stream));
   return "";
 }
@@ -331,6 +344,7 @@ std::string EnqueueSingleStream(const CallContext& c) {
       case StepKind::kCopy:
         err = ops.Flush();
         if (err.empty()) err = Copy(c, s, c.stream);
+        if (c.announce) ops.Write(c.announce->flags + s.dst_offset / c.announce->bytes, 1);
         break;
       case StepKind::kZero:
         err = ops.Flush();
@@ -415,7 +429,7 @@ std::string CurrentDevice(cudaStream_t stream, int* device) {
 
 ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream,
                      const void* input, void* output, int lane,
-                     const std::string& user_op) {
+                     const std::string& user_op, const Announce* announce) {
   const std::string op_name = user_op.empty() ? std::string(OpName(spec.op)) : user_op;
   const char* op = op_name.c_str();
   std::string err = comm.Broken();
@@ -465,7 +479,17 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   std::vector<Step> steps;
   {
     HostTimer timer("plan");
-    steps = MakePlan(spec, ChooseCudaPlanOptions(spec));
+    PlanOptions options = ChooseCudaPlanOptions(spec);
+    if (announce) {  // one flag per chunk, one stream (cuda_executor.h: Announce)
+      const size_t block = BlockBytes(spec);
+      if (announce->bytes == 0 || block % announce->bytes)
+        return {ErrorKind::kInvalidArgument, std::string("jax_hoccl ") + op + ": announced rows of " +
+                std::to_string(announce->bytes) + " bytes do not divide a block of " +
+                std::to_string(block)};
+      options.chunks = static_cast<int>(block / announce->bytes);
+      options.channels = 1;
+    }
+    steps = MakePlan(spec, options);
   }
   std::vector<char> involved(n, 0);
   bool multi = false;
@@ -492,7 +516,7 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   HOCCL_TRACE("%s rank %d: seq %llu rendezvous done, %zu steps, multi %d\n", op, r,
               static_cast<unsigned long long>(seq), steps.size(), multi ? 1 : 0);
 
-  CallContext ctx{api, spec, steps, stream, inputs, output, st, seq + 1, lane};
+  CallContext ctx{api, spec, steps, stream, inputs, output, st, seq + 1, lane, announce};
   HostTimer enqueue_timer(multi ? "enqueue multi-stream" : "enqueue one stream");
   if (multi) {
     DeviceResources& res = ResourcesFor(device);

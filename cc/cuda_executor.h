@@ -72,13 +72,23 @@ size_t BlockBytes(const OpSpec& spec);
 // JAX_HOCCL_CHANNELS override either (read once, at the first collective).
 PlanOptions ChooseCudaPlanOptions(const OpSpec& spec);
 
+// Rows that a GEMM waits for in-kernel (fused/flagged_gemm.py, consumer side): after each copy
+// into the output, flags[dst_offset / bytes] (uint64) is written 1 on the copying stream. The
+// exchange then runs on one stream in chunks of `bytes` (one flag each), and its copies ask for
+// the copy engines (cudaMemcpyBatchAsync's PreferOverlapWithCompute): a copy within one GPU may
+// otherwise run as a kernel, which would wait for the SMs that the waiting GEMM holds.
+struct Announce {
+  uint64_t* flags = nullptr;
+  size_t bytes = 0;
+};
+
 // Enqueues `spec` for spec.rank on `stream` (XLA's stream of the current device, lane 0, or
 // an async start's stream, its lane). Returns once everything is enqueued; by then the host
 // rendezvous with every involved peer has happened. `user_op` names the op in errors (the
 // user's, e.g. "psum (all_gather)"; default the mover's).
 ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream,
                      const void* input, void* output, int lane = 0,
-                     const std::string& user_op = "");
+                     const std::string& user_op = "", const Announce* announce = nullptr);
 
 }  // namespace hoccl
 

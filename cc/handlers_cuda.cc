@@ -145,7 +145,8 @@ ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, const v
                      size_t in_bytes, void* out_data, size_t out_bytes,
                      ffi::Span<const int64_t> groups, int64_t group_size,
                      ffi::Span<const int64_t> permute_dst, int64_t stream_index, int64_t site,
-                     bool peers_only, bool at_source_slot = false, bool in_place = false) {
+                     bool peers_only, bool at_source_slot = false, bool in_place = false,
+                     const Announce* announce = nullptr) {
   HostTimer timer("start");
   if (stream_index < -1 || stream_index >= kMaxAsyncLanes)
     return ffi::Error::InvalidArgument("jax_hoccl async: stream " + std::to_string(stream_index) +
@@ -175,7 +176,8 @@ ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, const v
   if (spec.bytes > 0 && OutputBytes(spec) > 0) {
     Communicator& comm = CudaCommunicator(ids);
     const int lane = on_xla_stream ? 0 : 1 + static_cast<int>(stream_index);
-    ExecStatus st = RunOnCuda(comm, spec, stream, in, out_data, lane, SiteName(site, OpName(op)));
+    ExecStatus st = RunOnCuda(comm, spec, stream, in, out_data, lane, SiteName(site, OpName(op)),
+                              announce);
     if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
   }
   cudaEvent_t finished;
@@ -243,6 +245,31 @@ ffi::Error PermuteStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                    stream_index, site, false);
 }
 
+// all_gather of the peers' blocks (rotated, as peers_only) into output 0 whose rows a GEMM
+// multiplies while they land: output 1 holds one uint64 flag per `announce_bytes` of output 0,
+// zeroed on XLA's stream first and set to 1 once its rows are in (cuda_executor.h: Announce).
+// Output 2 is the token the GEMM takes, so XLA runs it after this start.
+ffi::Error AnnouncedGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                    ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::AnyBuffer> flags,
+                                    ffi::Result<ffi::AnyBuffer>,
+                                    ffi::Span<const int64_t> groups, int64_t group_size,
+                                    int64_t announce_bytes, int64_t stream_index, int64_t site) {
+  if (announce_bytes <= 0 ||
+      flags->size_bytes() * static_cast<size_t>(announce_bytes) < out->size_bytes() * sizeof(uint64_t))
+    return ffi::Error::InvalidArgument("jax_hoccl announced gather: " +
+                                       std::to_string(flags->size_bytes()) + " bytes of flags for " +
+                                       std::to_string(out->size_bytes()) + " bytes in rows of " +
+                                       std::to_string(announce_bytes));
+  cudaError_t e = cudaMemsetAsync(flags->untyped_data(), 0, flags->size_bytes(), stream);
+  if (e != cudaSuccess) return CudaFail("cudaMemsetAsync", e);
+  Announce announce{static_cast<uint64_t*>(flags->untyped_data()),
+                    static_cast<size_t>(announce_bytes)};
+  return StartCuda(OpKind::kAllGather, stream, device, x.untyped_data(), x.size_bytes(),
+                   out->untyped_data(), out->size_bytes(), groups, group_size, {}, stream_index,
+                   site, true, false, false, &announce);
+}
+
 ffi::Error DoneCuda(cudaStream_t xla_stream, int32_t device, ffi::RemainingArgs,
                     ffi::RemainingRets, int64_t site) {
   HostTimer timer("done");
@@ -304,6 +331,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCuda, PermuteStartCuda,
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<ffi::Span<const int64_t>>("permute_dst")
+                                  .Attr<int64_t>("stream")
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAnnouncedGatherStartCuda, AnnouncedGatherStartCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("announce_bytes")
                                   .Attr<int64_t>("stream")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kDoneCuda, DoneCuda,

@@ -71,6 +71,8 @@ nb::dict Registrations() {
       HOCCL_CUDA(kAllToAllStartCuda));
   add("hoccl_ppermute_start", CpuStaged(hoccl::kPermuteStartCpu), HOCCL_CUDA(kPermuteStartCuda));
   add("hoccl_done", Capsule(hoccl::kDoneCpu), HOCCL_CUDA(kDoneCuda));
+  // CUDA only: its consumer is the flagged GEMM (Hopper GPUs)
+  add("hoccl_announced_gather_start", nb::none(), HOCCL_CUDA(kAnnouncedGatherStartCuda));
   add("hoccl_after", Capsule(hoccl::kOrderAfter), HOCCL_CUDA(kOrderAfter));
   // GEMM on row ranges (fused ops); on CPU the lowering is XLA's own dot instead.
   add("hoccl_rows_matmul", nb::none(), HOCCL_CUDA(kRowsMatmulCuda));

@@ -39,8 +39,8 @@ def _run(a, b, c=None, flag_rows=fg.TILE_M, **kw):
   m, n = a.shape[0], b.shape[1]
   out = jnp.zeros((m, n), a.dtype if c is None else c.dtype)
   flags = jnp.zeros((m // flag_rows,), jnp.int32)
-  token = jax.jit(lambda a, b, c, out, flags: fg.flagged_matmul_into(
-      a, b, out, flags, c=c, flag_rows=flag_rows, **kw))(a, b, c, out, flags)
+  token = jax.jit(lambda a, b, c, out, flags: fg.flagged_matmul(
+      a, b, out=out, flags=flags, c=c, flag_rows=flag_rows, **kw))(a, b, c, out, flags)
   token.block_until_ready()
   return out, flags
 
@@ -66,6 +66,7 @@ def test_unsupported_shapes_and_dtypes_are_named():
   assert "shape" in fg.unsupported_reason(1024, 1000, 1024, jnp.float16)
   assert "shape" in fg.unsupported_reason(1024, 1024, 128, jnp.float16)
   assert "dtype" in fg.unsupported_reason(1024, 1024, 1024, jnp.float32)
+  assert "must match" in fg.unsupported_reason(1024, 1024, 1024, jnp.bfloat16, None, jnp.float16)
   with pytest.raises(ValueError, match="unsupported"):
     _run(_rand((100, 64), jnp.bfloat16, 0), _rand((64, 256), jnp.bfloat16, 1))
 
@@ -84,8 +85,8 @@ def _copies_on_flags(ordered, reps=2, m=8192, k=8192, n=4096, flag_rows=1024):
   evs = [ck(cu.cuEventCreate(0)) for _ in range(nb)]
   a, b = _rand((m, k), jnp.bfloat16, 0), _rand((k, n), jnp.bfloat16, 1, 1 / np.sqrt(k))
   target = fg.flag_target(n, flag_rows)
-  f = jax.jit(lambda a, b, out, flags: fg.flagged_matmul_into(
-      a, b, out, flags, flag_rows=flag_rows, _ordered=ordered))
+  f = jax.jit(lambda a, b, out, flags: fg.flagged_matmul(
+      a, b, out=out, flags=flags, flag_rows=flag_rows, _ordered=ordered))
   f(a, b, jnp.zeros((m, n), jnp.bfloat16), jnp.zeros((nb,), jnp.int32)).block_until_ready()
   block_bytes = flag_rows * n * 2
   host = ck(cu.cuMemHostAlloc(m * n * 2, 0))
@@ -132,40 +133,44 @@ def test_flags_raised_before_the_rows_are_stored_expose_stale_rows():
 
 
 def test_ready_flags_hold_tiles_until_rows_arrive():
-  """The kernel runs on a's rows that a copy-engine stream brings in only after the host lets
-  it (50 ms after the launch), one block of rows after another, each announced by a
-  cuStreamWriteValue32 into `ready`: the product is right only if tiles waited for them."""
+  """The kernel runs on rows that a copy-engine stream brings in only after the host lets it
+  (50 ms after the launch), one block of rows after another, each announced by a stream write
+  into its uint64 flag of `ready`: the product is right only if tiles waited for them. The
+  walk's first block (`own`) is not waited for, and `rank` places the walk's blocks."""
   cu, ck = _driver()
-  m, k, n, rows = 2048, 1024, 1024, 512
-  a_src, b = _rand((m, k), jnp.bfloat16, 0), _rand((k, n), jnp.bfloat16, 1, 1 / np.sqrt(k))
-  a_dst = jnp.zeros((m, k), jnp.bfloat16)
-  ready = jnp.zeros((m // rows,), jnp.int32)
+  r, blocks, rows_per_block, k, n, ready_rows = 1, 4, 512, 1024, 1024, 256
+  own = _rand((rows_per_block, k), jnp.bfloat16, 3)
+  a_src = _rand(((blocks - 1) * rows_per_block, k), jnp.bfloat16, 0)
+  b = _rand((k, n), jnp.bfloat16, 1, 1 / np.sqrt(k))
+  a_dst = jnp.zeros_like(a_src)
+  nflags = a_src.shape[0] // ready_rows
+  ready = jnp.zeros((2 * nflags,), jnp.int32)
   gate = jnp.zeros((1,), jnp.int32)
-  out = jnp.zeros((m, n), jnp.bfloat16)
-  flags = jnp.zeros((m // fg.TILE_M,), jnp.int32)
-  for x in (a_src, a_dst, ready, gate, out, flags):
+  rank = jnp.array([r], jnp.int32)
+  for x in (own, a_src, a_dst, ready, gate):
     x.block_until_ready()
-  f = jax.jit(lambda a, b, out, flags, ready: fg.flagged_matmul_into(
-      a, b, out, flags, ready=ready, ready_rows=rows, ready_value=7))
-  # compile on a ready copy first (flags already raised), so the timed launch is the kernel
-  f(a_src, b, jnp.zeros_like(out), jnp.zeros_like(flags),
-    jnp.full((m // rows,), 7, jnp.int32)).block_until_ready()
+  f = jax.jit(lambda own, a, b, rank, ready: fg.flagged_matmul(
+      a, b, own=own, rank=rank, ready=ready, ready_rows=ready_rows, ready_value=7))
+  f(own, a_src, b, rank, jnp.full((2 * nflags,), 7, jnp.int32)).block_until_ready()  # compile
   copier, releaser = ck(cu.cuStreamCreate(1)), ck(cu.cuStreamCreate(1))
   gp, rp = gate.unsafe_buffer_pointer(), ready.unsafe_buffer_pointer()
   sp, dp = a_src.unsafe_buffer_pointer(), a_dst.unsafe_buffer_pointer()
   ck(cu.cuStreamWaitValue32(copier, cu.CUdeviceptr(gp), 1,
                             cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
-  for blk in range(m // rows):
-    nbytes = rows * k * 2
-    ck(cu.cuMemcpyDtoDAsync(cu.CUdeviceptr(dp + blk * nbytes), cu.CUdeviceptr(sp + blk * nbytes),
-                            nbytes, copier))
-    ck(cu.cuStreamWriteValue32(copier, cu.CUdeviceptr(rp + 4 * blk), 7, 0))
-  result = f(a_dst, b, out, flags, ready)
+  nbytes = ready_rows * k * 2
+  host = ck(cu.cuMemHostAlloc(nbytes, 0))  # staged through the host: copy engines only
+  for blk in range(nflags):
+    ck(cu.cuMemcpyDtoHAsync(host, cu.CUdeviceptr(sp + blk * nbytes), nbytes, copier))
+    ck(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(dp + blk * nbytes), host, nbytes, copier))
+    ck(cu.cuStreamWriteValue64(copier, cu.CUdeviceptr(rp + 8 * blk), 7, 0))
+  result = f(own, a_dst, b, rank, ready)
   time.sleep(0.05)
   ck(cu.cuMemsetD32Async(cu.CUdeviceptr(gp), 1, 1, releaser))
   result.block_until_ready()
   ck(cu.cuStreamSynchronize(copier))
-  ref = jnp.dot(a_src, b, preferred_element_type=jnp.float32)
-  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2)
+  walk = jnp.concatenate([own, a_src]).astype(jnp.float32) @ b.astype(jnp.float32)
+  ref = np.roll(np.asarray(walk).reshape(blocks, rows_per_block, n), r, axis=0).reshape(-1, n)
+  np.testing.assert_allclose(np.asarray(result, np.float32), ref, rtol=2e-2, atol=2e-2)
   for s in (copier, releaser):
     ck(cu.cuStreamDestroy(s))
+  ck(cu.cuMemFreeHost(host))

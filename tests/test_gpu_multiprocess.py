@@ -174,6 +174,49 @@ FAILURE_WORKER = PRELUDE + textwrap.dedent("""
 """)
 
 
+# all_gather_matmul on the flagged GEMM (Hopper, bf16/f16, rows in chunks of 512): the peer's
+# rows are multiplied as the copy engines land them; forward and gradients against numpy, and
+# the lowered program holds the announced gather and the Mosaic GPU kernel (an unaligned shape
+# takes the other path).
+FLAGGED_WORKER = PRELUDE + textwrap.dedent("""
+    from jax_hoccl._src.fused import flagged_gemm
+    if getattr(jax.devices()[0], "compute_capability", "") != "9.0":
+        print("SKIP not Hopper", flush=True); os._exit(0)
+    m, k, nout = 1024, 512, 768
+    for dtype in (jnp.bfloat16, np.float16):
+        rng = np.random.default_rng(5)
+        xs = [rng.standard_normal((m, k)).astype(np.float32) for _ in range(n)]
+        wf = (rng.standard_normal((k, nout)) / np.sqrt(k)).astype(np.float32)
+        cts = [rng.standard_normal((n * m, nout)).astype(np.float32) for _ in range(n)]
+        w = jnp.asarray(wf, dtype)
+        x = shard(xs[me].astype(dtype))
+        ct = shard(cts[me].astype(dtype))
+        body = lambda v: jax_hoccl.all_gather_matmul(v, w, "tp")
+        text = fn(body).lower(x).as_text()
+        assert "hoccl_announced_gather_start" in text and "mosaic_gpu" in text, text[:2000]
+        want = np.concatenate(xs) @ wf
+        got = mine(fn(body)(x))
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert got.shape == want.shape and err < 2e-2, ("forward", err)
+        def grads(v, c, w):
+            _, vjp = jax.vjp(lambda v, w: jax_hoccl.all_gather_matmul(v, w, "tp"), v, w)
+            return vjp(c)  # w is invariant: its cotangent is summed over "tp" already
+        g = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(spec, spec, P()), out_specs=(spec, P())))
+        dx, dw = g(x, ct, w)
+        want_dx = np.split(sum(cts) @ wf.T, n)[me]
+        want_dw = sum(np.concatenate(xs).T @ c for c in cts)
+        for name, gv, wv in (("dx", mine(dx), want_dx), ("dw", mine(dw), want_dw)):
+            e = np.abs(gv - wv).max() / np.abs(wv).max()
+            assert e < 3e-2, (name, e)
+        print("OK flagged all_gather_matmul", np.dtype(dtype).name, f"err {err:.2g}", flush=True)
+    x = shard(np.ones((100, k), np.float32).astype(jnp.bfloat16))
+    text = fn(lambda v: jax_hoccl.all_gather_matmul(v, w, "tp")).lower(x).as_text()
+    assert "hoccl_announced_gather_start" not in text
+    print("GPU_MP_OK", flush=True)
+    os._exit(0)
+""")
+
+
 def _run(tmp_path, worker, timeout, env=None):
   """Two processes sharing GPU 0, each with 0.3 of its memory (JAX_PLATFORMS dropped: they
   must see the GPU)."""
@@ -200,6 +243,12 @@ def test_two_processes_on_one_gpu_without_preallocation(tmp_path):
     assert "GPU_MP_OK" in out, out[-4000:]
   maps = [int(o.split("peer mappings ")[1].split()[0]) for o in outs]
   assert max(maps) > 2, maps  # more than the one pool and the flags: several allocations
+
+
+def test_two_processes_all_gather_matmul_on_the_flagged_gemm(tmp_path):
+  outs = _run(tmp_path, FLAGGED_WORKER, timeout=300, env={"JAX_HOCCL_TIMEOUT_S": "60"})
+  for out in outs:
+    assert "GPU_MP_OK" in out or "SKIP not Hopper" in out, out[-3000:]
 
 
 def test_peer_that_never_calls(tmp_path):

@@ -23,6 +23,7 @@ the kernel returns only a small token that orders their readers after it.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -59,13 +60,28 @@ def unsupported_reason(m, k, n, dtype, out_dtype=None, b_dtype=None) -> str | No
   return None
 
 
-@functools.lru_cache(maxsize=None)
 def _on_hopper() -> bool:
-  try:
-    dev = jax.devices()[0]
-  except RuntimeError:
+  """Whether the devices being traced for are Hopper GPUs: the mesh's (inside shard_map; a
+  CPU mesh on a GPU machine is not), else the default backend's."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  if device is not None and device.platform != "gpu":
     return False
-  return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
+  return _gpu_compute_capability() == "9.0"
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_compute_capability() -> str:
+  try:
+    return getattr(jax.devices("gpu")[0], "compute_capability", "")
+  except RuntimeError:
+    return ""
+
+
+def _sm_count() -> int:
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  if device is not None and device.num_cores:
+    return device.num_cores
+  return jax.devices("gpu")[0].core_count
 
 
 def flag_target(n: int, flag_rows: int) -> int:
@@ -110,17 +126,40 @@ def _await_flag(flag_ref, value):
   wait(flag_ref)
 
 
-def _kernel_body(m, k, n, flag_rows, ready_rows, ready_value, has_c, ordered, *refs):
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """What the kernel reads and writes (static: one compiled kernel per layout)."""
+  m: int                # rows of the walk (and of the output)
+  k: int
+  n: int
+  own_rows: int         # rows [0, own_rows) of the walk come from `own` (0: all from `a`)
+  blocks: int           # with `rank`: the output holds `blocks` blocks of own_rows rows
+  has_rank: bool
+  has_c: bool
+  into: bool            # write into a given `out` (else it is the kernel's output)
+  flag_rows: int        # 0: no producer flags
+  ready_rows: int       # 0: no consumer waits
+  ready_value: int
+  ordered: bool
+
+
+def _kernel_body(lay: _Layout, *refs):
   from jax import lax
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   refs = list(refs)
+  own_gmem = refs.pop(0) if lay.own_rows else None
   a_gmem, b_gmem = refs.pop(0), refs.pop(0)
-  c_gmem = refs.pop(0) if has_c else None
-  out_gmem, flags_gmem = refs.pop(0), refs.pop(0)
-  ready_gmem = refs.pop(0) if ready_rows else None
-  # refs[0] is the token output: never written, it only orders readers after the kernel
+  c_gmem = refs.pop(0) if lay.has_c else None
+  rank_gmem = refs.pop(0) if lay.has_rank else None
+  ready_gmem = refs.pop(0) if lay.ready_rows else None
+  if lay.into:
+    out_gmem = refs.pop(0)
+  flags_gmem = refs.pop(0) if lay.flag_rows else None
+  if not lay.into:
+    out_gmem = refs.pop(0)
+  # what is left is the token output of `into`: never written, it orders readers after us
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   in_swizzle = plgpu.find_swizzle(TILE_K * jnp.dtype(dtype).itemsize * 8)
   in_transforms = (plgpu.TilingTransform((8, in_swizzle // jnp.dtype(dtype).itemsize)),
@@ -129,9 +168,11 @@ def _kernel_body(m, k, n, flag_rows, ready_rows, ready_value, has_c, ordered, *r
   out_transforms = (plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
                     plgpu.SwizzleTransform(out_swizzle))
   cta_n = COMPUTE_WGS * TILE_N
-  m_tiles, n_tiles, k_steps = m // TILE_M, n // cta_n, k // TILE_K
+  m_tiles, n_tiles, k_steps = lay.m // TILE_M, lay.n // cta_n, lay.k // TILE_K
+  own_tiles = lay.own_rows // TILE_M
   band = min(BAND_TILES, m_tiles)
   epi_tiles = [(i, j) for i in range(TILE_M // EPI) for j in range(TILE_N // EPI)]
+  ordered = lay.ordered
 
   def pipeline(mma, epilogue):
     return plgpu.emit_pipeline_warp_specialized(
@@ -149,17 +190,17 @@ def _kernel_body(m, k, n, flag_rows, ready_rows, ready_value, has_c, ordered, *r
       pl.run_scoped,
       allocs=pipeline(nothing, nothing).get_allocations(a_gmem, b_gmem),
       stage=plgpu.SMEM((COMPUTE_WGS, 2, EPI, EPI), out_dtype, transforms=out_transforms),
-      c_arrived=plgpu.Barrier(num_barriers=2 * COMPUTE_WGS) if has_c else None,
+      c_arrived=plgpu.Barrier(num_barriers=2 * COMPUTE_WGS) if lay.has_c else None,
       collective_axes="wg")
   def _scope(allocs, stage, c_arrived):
     wg = lax.axis_index("wg")
-
+    rank = rank_gmem[0] if rank_gmem is not None else None
     # A tile's flag is raised (after its stores complete) at the start of the next tile's
     # epilogue, once its mainloop gave the stores time to land: raising it right after the
     # stores makes the warpgroup wait for them, ~1.5% of the GEMM's time on H200. With
     # `ready` it is raised at once: a deferred flag could wait for a tile that waits for a
     # peer that waits for this flag.
-    defer = ordered and ready_gmem is None
+    defer = ordered and lay.ready_rows == 0
 
     def flag_at(block):
       return flags_gmem.at[pl.ds(block, 1)]
@@ -168,20 +209,26 @@ def _kernel_body(m, k, n, flag_rows, ready_rows, ready_value, has_c, ordered, *r
     def last_block(info, carry):
       (t,) = info.index
       mi, ni = plgpu.planar_snake(t, (m_tiles, n_tiles), 0, band)
-      rows = pl.ds(mi * TILE_M, TILE_M)
+      out_mi = mi
+      if rank is not None:  # walk block j is the output's block (j + rank) % blocks
+        out_mi = lax.rem(mi // own_tiles + rank, lay.blocks) * own_tiles + lax.rem(mi, own_tiles)
+      out_rows = pl.ds(out_mi * TILE_M, TILE_M)
       cols = pl.ds(ni * cta_n + wg * TILE_N, TILE_N)   # this warpgroup's half (compute wgs)
-      block = (mi * TILE_M) // flag_rows
+      block = (mi * TILE_M) // max(lay.flag_rows, 1)
+      a_row = (mi - own_tiles) * TILE_M  # row of `a` (rows past the own ones)
       if ready_gmem is not None:
-        _await_flag(ready_gmem.at[pl.ds((mi * TILE_M) // ready_rows, 1)], ready_value)
+        @pl.when(mi >= own_tiles)
+        def _wait_rows():  # one uint64 flag per block of ready rows; its low word
+          _await_flag(ready_gmem.at[pl.ds(2 * (a_row // lay.ready_rows), 1)], lay.ready_value)
 
       def epilogue(run_mainloop):
         @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
         def _acc(acc):
-          if not ordered:
+          if flags_gmem is not None and not ordered:
             _raise_flag(flag_at(block), ordered=False)
           run_mainloop(acc)
           result = acc[...].astype(out_dtype)
-          if defer:
+          if flags_gmem is not None and defer:
             @pl.when(carry >= 0)
             def _previous_tile():
               _raise_flag(flag_at(carry), ordered=True)
@@ -189,18 +236,18 @@ def _kernel_body(m, k, n, flag_rows, ready_rows, ready_value, has_c, ordered, *r
           for e, (i, j) in enumerate(epi_tiles):
             slot = e % 2
             sub = (slice(i * EPI, (i + 1) * EPI), slice(j * EPI, (j + 1) * EPI))
-            dst = out_gmem.at[rows, cols].at[sub]
+            dst = out_gmem.at[out_rows, cols].at[sub]
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
             if c_gmem is None:
               stage[wg, slot] = result[sub]
             else:
               bar = c_arrived.at[wg * 2 + slot]
-              plgpu.copy_gmem_to_smem(c_gmem.at[rows, cols].at[sub], stage.at[wg, slot], bar)
+              plgpu.copy_gmem_to_smem(c_gmem.at[out_rows, cols].at[sub], stage.at[wg, slot], bar)
               plgpu.barrier_wait(bar)
               stage[wg, slot] += result[sub]
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(stage.at[wg, slot], dst)
-          if ordered and not defer:
+          if flags_gmem is not None and ordered and not defer:
             _raise_flag(flag_at(block), ordered=True)
 
       def mma(_, a_smem, b_smem, acc):
@@ -208,11 +255,23 @@ def _kernel_body(m, k, n, flag_rows, ready_rows, ready_value, has_c, ordered, *r
         plgpu.wgmma_wait(0)
         return acc
 
-      pipeline(mma, epilogue)(a_gmem.at[rows, :], b_gmem.at[:, pl.ds(ni * cta_n, cta_n)],
-                              allocations=allocs)
+      b_cols = b_gmem.at[:, pl.ds(ni * cta_n, cta_n)]
+      if own_gmem is None:
+        pipeline(mma, epilogue)(a_gmem.at[pl.ds(mi * TILE_M, TILE_M), :], b_cols,
+                                allocations=allocs)
+      else:
+        @pl.when(mi < own_tiles)
+        def _own_rows():
+          pipeline(mma, epilogue)(own_gmem.at[pl.ds(mi * TILE_M, TILE_M), :], b_cols,
+                                  allocations=allocs)
+
+        @pl.when(mi >= own_tiles)
+        def _other_rows():
+          pipeline(mma, epilogue)(a_gmem.at[pl.ds(a_row, TILE_M), :], b_cols,
+                                  allocations=allocs)
       return block
 
-    if defer:  # this CTA's last tile (the memory warpgroup, last, raises nothing)
+    if flags_gmem is not None and defer:  # this CTA's last tile (memory warpgroup: last)
       @pl.when((wg < COMPUTE_WGS) & (last_block >= 0))
       def _last_tile():
         _raise_flag(flag_at(last_block), ordered=True)
@@ -220,35 +279,55 @@ def _kernel_body(m, k, n, flag_rows, ready_rows, ready_value, has_c, ordered, *r
   plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
 
-def flagged_matmul_into(a, b, out, flags, *, c=None, flag_rows=TILE_M, ready=None,
-                        ready_rows=TILE_M, ready_value=1, _ordered=True):
-  """Runs the kernel: writes a @ b (+ c) into `out` [M, N] and raises `flags` [M // flag_rows]
-  (int32) per finished block of rows; returns a token (int32 [128]) that later readers of
-  `out`/`flags` must depend on. `out` and `flags` are written in place: pass buffers that no
-  one else reads before the token (e.g. fresh ones from a jax_hoccl start).
-  ready: int32 [M // ready_rows]; tile rows wait for ready[row // ready_rows] >= ready_value."""
+def flagged_matmul(a, b, *, c=None, out=None, flags=None, flag_rows=TILE_M, own=None,
+                   rank=None, ready=None, ready_rows=TILE_M, ready_value=1, _ordered=True):
+  """a @ b (+ c) by the kernel. Returns the product [M, N], or with `out` a token.
+
+  Producer: `flags` int32 [M // flag_rows], zero, raised per finished block of rows (to
+  flag_target(N, flag_rows)). Then `out` [M, N] should be given too: the product is written
+  into it in place, and the returned token (int32 [128]) must order every later reader of
+  `out`/`flags` after the kernel (pass buffers nobody else reads before it, e.g. a jax_hoccl
+  start's outputs), since their addresses must be known before the kernel runs.
+  Consumer: the rows of the walk are `own` [R, K] (if given) then `a`; a tile of a's rows
+  waits until the low word of ready[2 * (row // ready_rows)] (int32 pairs: uint64 flags) is
+  >= ready_value. rank: int32 [1]; walk block j (of R rows) goes to output block
+  (j + rank) % (M // R)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  m, k = a.shape
+  rows_a, k = a.shape
   n = b.shape[1]
-  reason = unsupported_reason(m, k, n, a.dtype, out.dtype, b.dtype)
-  if reason:
-    raise ValueError(f"jax_hoccl flagged GEMM: unsupported {reason}")
-  if flag_rows % TILE_M or m % flag_rows:
-    raise ValueError(f"jax_hoccl flagged GEMM: flag_rows={flag_rows} must be a multiple of "
-                     f"{TILE_M} dividing M={m}")
-  if ready is not None and (ready_rows % TILE_M or m % ready_rows):
-    raise ValueError(f"jax_hoccl flagged GEMM: ready_rows={ready_rows} must be a multiple of "
-                     f"{TILE_M} dividing M={m}")
-  body = functools.partial(_kernel_body, m, k, n, flag_rows,
-                           ready_rows if ready is not None else 0, ready_value, c is not None,
-                           _ordered)
-  sms = jax.devices()[0].core_count
+  own_rows = 0 if own is None else own.shape[0]
+  m = own_rows + rows_a
+  out_dtype = (out.dtype if out is not None else c.dtype if c is not None else a.dtype)
+  reason = unsupported_reason(m, k, n, a.dtype, out_dtype, b.dtype)
+  if reason or (own is not None and (own.shape[1] != k or own.dtype != a.dtype
+                                     or own_rows % TILE_M or m % own_rows)):
+    raise ValueError(f"jax_hoccl flagged GEMM: unsupported {reason or 'own rows ' + str(own.shape)}")
+  for name, rows, base in (("flag_rows", flag_rows if flags is not None else TILE_M, m),
+                           ("ready_rows", ready_rows if ready is not None else TILE_M, rows_a)):
+    if rows % TILE_M or base % rows:
+      raise ValueError(f"jax_hoccl flagged GEMM: {name}={rows} must be a multiple of {TILE_M} "
+                       f"dividing {base}")
+  lay = _Layout(m=m, k=k, n=n, own_rows=own_rows, blocks=m // own_rows if own_rows else 1,
+                has_rank=rank is not None, has_c=c is not None, into=out is not None,
+                flag_rows=flag_rows if flags is not None else 0,
+                ready_rows=ready_rows if ready is not None else 0, ready_value=int(ready_value),
+                ordered=bool(_ordered))
+  if lay.has_rank and not own_rows:
+    raise ValueError("jax_hoccl flagged GEMM: rank places blocks of own rows; give own")
+  out_types = []
+  if flags is None and out is not None:
+    raise ValueError("jax_hoccl flagged GEMM: out is for producer flags; give flags too")
+  if out is None:
+    out_types.append(jax.ShapeDtypeStruct((m, n), out_dtype))
+  else:
+    out_types.append(jax.ShapeDtypeStruct((128,), jnp.int32))  # the token
+  sms = _sm_count()
   kernel = plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((128,), jnp.int32),
+      functools.partial(_kernel_body, lay), out_type=out_types[0],
       grid=(sms,), grid_names=("sm",), num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  operands = [a, b] + ([c] if c is not None else []) + [out, flags]
-  if ready is not None:
-    operands.append(ready)
+  operands = ([own] if own is not None else []) + [a, b] + ([c] if c is not None else [])
+  operands += ([rank] if rank is not None else []) + ([ready] if ready is not None else [])
+  operands += ([out] if out is not None else []) + ([flags] if flags is not None else [])
   return kernel(*operands)

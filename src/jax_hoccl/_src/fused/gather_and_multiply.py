@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_hoccl._src.fused import exchanges as ex
+from jax_hoccl._src.fused import gather_into_gemm as flagged
 from jax_hoccl._src.fused.rows_matmul import rows_matmul, runs_on_cublaslt
 from jax_hoccl._src.ops import async_collectives as ac
 from jax_hoccl._src.ops import common
@@ -16,6 +17,14 @@ def gather_and_multiply(x, w, axes, n, *, with_rows=False):
   if n == 1:
     return x @ w, (x if with_rows else None)
   k = x.shape[-1]
+  if flagged.applies(x.reshape(-1, k), w, n):  # one flagged GEMM, fed as the rows land
+    out, others = flagged.gather_into_gemm(x.reshape(-1, k), w, axes, n)
+    out = out.reshape(n * x.shape[0], *x.shape[1:-1], w.shape[-1])
+    if not with_rows:
+      return out, None
+    r = common.rank(axes)
+    gathered = jnp.roll(jnp.concatenate([x[None], others.reshape(n - 1, *x.shape)]), r, axis=0)
+    return out, gathered.reshape(-1, *x.shape[1:])
   gemm = runs_on_cublaslt(x.dtype, k, w.shape[-1])
   # [n-1, m, ..., K], ranks r+1, r+2, ...; XLA's dot needs pending.input to follow the start,
   # the rows_matmul GEMM takes the token (and x is read again below: no alias, no copy)
