@@ -124,9 +124,11 @@ def hoccl_us(op: str, algorithm: str | None, nbytes: float, n: int, p: Params = 
 
 
 def xla_us(op: str, nbytes: float, n: int, p: Params = None, nodes: int = 1) -> float:
-  """XLA's own collective (NCCL) over n ranks on `nodes` nodes. Across nodes NCCL runs its
-  rings through every NIC of a node, so the ring collectives' bus bandwidth is capped by
-  gpus_per_node NICs; all_to_all and ppermute send what leaves a node through one GPU's NIC."""
+  """XLA's own collective (NCCL) over n ranks spread evenly over `nodes` nodes. Across nodes
+  NCCL runs its rings through the NICs of the group's GPUs in a node (one ring per NIC), so
+  the ring collectives' bus bandwidth is capped by n / nodes NICs: 8 for a whole-cluster
+  group, one for jax_hoccl's cross-node part (one rank per node); all_to_all and ppermute
+  send what leaves a node through each GPU's own NIC."""
   p = p or FITTED
   if n < 2:
     return 0.0
@@ -139,7 +141,7 @@ def xla_us(op: str, nbytes: float, n: int, p: Params = None, nodes: int = 1) -> 
     return latency + nbytes * (n - local) / n / p.nic_gbps / 1e3
   if op == "ppermute":  # a neighbour shift: the ranks at a node's edge send all through a NIC
     return latency + nbytes / p.nic_gbps / 1e3
-  ring_bw = min(bw, p.gpus_per_node * p.nic_gbps)
+  ring_bw = min(bw, n / nodes * p.nic_gbps)  # the NICs of this group's GPUs in one node
   return latency + busbw_factor(op, n) * nbytes / ring_bw / 1e3
 
 

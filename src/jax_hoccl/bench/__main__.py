@@ -80,8 +80,9 @@ def parse_args(argv):
     ap.error("--plot DIR needs one results JSON")
   if a.results and not (a.plot or a.model):
     ap.error("a results JSON goes with --plot or --model")
-  if a.model and not a.results:
-    a.no_fused = True  # the model needs the collectives section only
+  if a.model and not a.results:  # the model needs the collectives section only, >= 1 MiB
+    a.no_fused, a.no_interference = True, True
+    a.sizes = a.sizes or "1,4,16"
   return a
 
 

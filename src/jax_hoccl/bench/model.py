@@ -121,8 +121,8 @@ def predict(rows: list[Row], p: cm.Params) -> list[Row]:
 
 
 def size(b: float) -> str:
-  return f"{b / (1 << 30):g} GiB" if b >= 1 << 30 else f"{b / MIB:g} MiB" if b >= MIB \
-      else f"{b / 1024:g} KiB"
+  return f"{b / (1 << 30):.3g} GiB" if b >= 1 << 30 else f"{b / MIB:.3g} MiB" if b >= MIB \
+      else f"{b / 1024:.3g} KiB"
 
 
 def params_text(p: cm.Params) -> str:
