@@ -212,13 +212,14 @@ def test_psum(mesh, name, algorithm, local):
 
 
 def test_psum_auto_algorithm_by_size():
-  """'auto' picks one_shot for small inputs and two_step for large ones (trace only), and
-  one_shot at any size for a group of two (same bytes moved, one exchange)."""
-  from jax_hoccl._src.ops import psum as psum_mod
+  """'auto' picks one_shot for small inputs and two_step from the cost model's crossover on
+  (trace only), and one_shot for a group of two at that size (same bytes moved, one exchange
+  instead of two: its crossover is far larger)."""
+  from jax_hoccl._src import cost_model
   spec = P("x")
   f = jax.shard_map(lambda a: hc.psum(a, "x"), mesh=MESH1, in_specs=spec, out_specs=spec)
   small = jax.ShapeDtypeStruct((8 * 16,), jnp.float32)
-  big_elems = psum_mod.ONE_SHOT_MAX_BYTES // 4 + 8
+  big_elems = int(cost_model.psum_crossover_bytes(8)) // 4 + 8
   big = jax.ShapeDtypeStruct((8 * big_elems,), jnp.float32)
   from jax.sharding import NamedSharding
   small = jax.ShapeDtypeStruct(small.shape, small.dtype, sharding=NamedSharding(MESH1, spec))

@@ -5,6 +5,8 @@
     python -m jax_hoccl.bench --ops psum,all_gather --sizes 1,16 --dtype bfloat16
     python -m jax_hoccl.bench --processes      # one process per device against one process
     python -m jax_hoccl.bench --plot DIR RESULTS.json   # PNG figures (needs matplotlib)
+    python -m jax_hoccl.bench --model RESULTS.json ... # fit the cost model, no devices needed
+    python -m jax_hoccl.bench --model                  # measure the collectives here, then fit
 
 Without a GPU it runs on 8 virtual CPU devices: that checks the benchmark, but CPU timings
 say nothing about GPUs. The table printed last puts the ratios first.
@@ -68,10 +70,19 @@ def parse_args(argv):
                   help="host time per call across processes against inside one")
   ap.add_argument("--out", default="benchmarks/results", help="folder of the results JSON")
   ap.add_argument("--plot", metavar="DIR", help="write PNG figures of RESULTS.json to DIR")
-  ap.add_argument("results", nargs="?", help="with --plot: the results JSON to draw")
+  ap.add_argument("--model", action="store_true",
+                  help="fit the cost model to RESULTS.json files (or to a collectives run here) "
+                       "and print predicted vs measured, and the 8 / 64 / 512 GPU projection")
+  ap.add_argument("results", nargs="*", help="with --plot: the results JSON to draw; with "
+                  "--model: the results JSONs to fit")
   a = ap.parse_args(argv)
-  if a.plot and not a.results:
-    ap.error("--plot DIR needs a results JSON")
+  if a.plot and len(a.results) != 1:
+    ap.error("--plot DIR needs one results JSON")
+  if a.results and not (a.plot or a.model):
+    ap.error("a results JSON goes with --plot or --model")
+  if a.model and not a.results:  # the model needs the collectives section only, >= 1 MiB
+    a.no_fused, a.no_interference = True, True
+    a.sizes = a.sizes or "1,4,16"
   return a
 
 
@@ -79,12 +90,15 @@ def main(argv=None) -> int:
   a = parse_args(argv)
   if a.plot:
     from jax_hoccl.bench import plot, report
-    with open(a.results) as f:
+    with open(a.results[0]) as f:
       result = json.load(f)
     report.validate(result)
     for path in plot.plot(result, a.plot):
       print("wrote", path)
     return 0
+  if a.model and a.results:
+    from jax_hoccl.bench import model
+    return model.main(a.results)
   if a.processes:
     from jax_hoccl.bench import processes
     print("wrote", processes.run(a.out, _commit()))
@@ -147,6 +161,9 @@ def main(argv=None) -> int:
     json.dump(result, f, indent=1)
   print(f"wrote {path}")
   print(report.table(result))
+  if a.model:
+    from jax_hoccl.bench import model
+    print(model.report({os.path.basename(path): result}))
   return 0
 
 

@@ -6,8 +6,9 @@ Two algorithms, both compositions of the movers with an XLA sum (no kernel of ou
              instead of (n-1): best for large inputs.
 (A third, two_step in chunks whose sums overlap the next chunk's copies, measured 0.76-0.90x
 jax.lax's bandwidth at 64 MiB - 1 GiB on 2x H200, below two_step, and is gone: docs/design.md.)
-"auto" picks one_shot up to ONE_SHOT_MAX_BYTES and for groups of two, two_step above.
-Override with the env var JAX_HOCCL_PSUM_ALGORITHM or `with jax_hoccl.psum_algorithm(
+"auto" picks the one the cost model (_src/cost_model.py, fitted to the 2x H200 benchmark)
+predicts faster for the size and group: one_shot for small inputs and, with two ranks, up
+to hundreds of MiB; two_step above. Override with the env var JAX_HOCCL_PSUM_ALGORITHM or `with jax_hoccl.psum_algorithm(
 "two_step"):` around the tracing of your function.
 """
 from __future__ import annotations
@@ -20,13 +21,13 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import cost_model
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ops import across_processes, buckets, common
 from jax_hoccl._src.ops.all_gather import gather_stacked
 from jax_hoccl._src.ops.psum_scatter import reduce_scatter_stacked
 
-ALGORITHMS = ("auto", "one_shot", "two_step")
-ONE_SHOT_MAX_BYTES = 256 * 1024
+ALGORITHMS = ("auto",) + cost_model.PSUM_ALGORITHMS
 _local = threading.local()
 
 psum_p = ji.Primitive("hoccl_psum")
@@ -37,10 +38,10 @@ def choose_algorithm(nbytes: int, n: int) -> str:
   if algo not in ALGORITHMS:
     raise ValueError(f"jax_hoccl.psum: algorithm must be one of {ALGORITHMS}, got {algo!r}")
   if algo == "auto":
-    # With two ranks both move the same bytes (one_shot receives (n-1) x, two_step 2(n-1)/n x)
-    # and one_shot is one exchange instead of two: on 2x H200 it took 46 / 68 / 113 us at
-    # 1 / 4 / 16 MiB against two_step's 76 / 75 / 129 (benchmarks/probe_op_cost.py).
-    algo = "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES or n <= 2 else "two_step"
+    # one_shot pulls (n-1) x the bytes in one exchange, two_step 2(n-1)/n x in two: the model
+    # weighs the second exchange's fixed cost against the bytes saved. A pure function of
+    # (nbytes, n), so every rank tracing the program picks the same.
+    algo = cost_model.choose_psum(nbytes, n)
   return algo
 
 
