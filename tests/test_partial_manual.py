@@ -203,10 +203,19 @@ def test_partial_manual_grad_matches_lax(kind, manual, check_vma):
              (("psum", x.shape), ("all_gather", (x.shape[0] * MESHES[kind].shape[manual],
                                                  C)))}
 
+  def gather(lib, v, ax, n):
+    if lib is hc:
+      return hc.all_gather(v, ax, tiled=True)
+    # jax.lax.all_gather's transpose, jax.lax.psum_scatter, fails to lower here in jax 0.11.2
+    # (lax_psum_scatter): the reference is the gather as a psum of my block in my place.
+    placed = jnp.zeros((n * v.shape[0], *v.shape[1:]), v.dtype)
+    placed = jax.lax.dynamic_update_slice_in_dim(placed, v, jax.lax.axis_index(ax) * v.shape[0], 0)
+    return jax.lax.psum(placed, ax)
+
   def body_of(lib):
     def body(v, w, ax, n):
-      return {"psum": lib.psum(v * v, ax), "all_gather": lib.all_gather(jnp.sin(v) @ w @ w.T,
-                                                                        ax, tiled=True)}
+      return {"psum": lib.psum(v * v, ax), "all_gather": gather(lib, jnp.sin(v) @ w @ w.T,
+                                                                ax, n)}
     return body
 
   def loss(lib):
@@ -239,17 +248,21 @@ def run_partial_traced(kind, manual, body, x, w, check_vma):
   return sm(x, w), None, None
 
 
+W = np.linspace(-1, 1, C * N, dtype=np.float32).reshape(C, N)  # a weight shared by the batch
 VMAP_OPS = {  # name -> fn(lib, v, axis, n); the lax reference of an async pair is its op
     "psum": lambda lib, v, ax, n: lib.psum(v, ax),
     "pmax": lambda lib, v, ax, n: lib.pmax(v, ax),
     "all_gather": lambda lib, v, ax, n: lib.all_gather(v, ax, tiled=True),
-    "psum_scatter": lambda lib, v, ax, n: lib.psum_scatter(v, ax, tiled=True),
+    "psum_scatter": lambda lib, v, ax, n: (hc.psum_scatter(v, ax, tiled=True) if lib is hc
+                                           else lax_psum_scatter(v, ax, n)),
     "all_to_all": lambda lib, v, ax, n: lib.all_to_all(v, ax, 0, 1, tiled=True),
     "ppermute": lambda lib, v, ax, n: lib.ppermute(v, ax, shift(n)),
     "psum_start": lambda lib, v, ax, n: (hc.done(hc.psum_start(v, ax))[0] if lib is hc
                                          else jax.lax.psum(v, ax)),
-    "matmul_psum": lambda lib, v, ax, n: (hc.matmul_psum(v, v.T, ax) if lib is hc
-                                          else jax.lax.psum(v @ v.T, ax)),
+    "matmul_psum": lambda lib, v, ax, n: (hc.matmul_psum(v, W, ax) if lib is hc
+                                          else jax.lax.psum(v @ W, ax)),
+    "matmul_psum_w_per_example": lambda lib, v, ax, n: (
+        hc.matmul_psum(v, v.T, ax) if lib is hc else jax.lax.psum(v @ v.T, ax)),
 }
 
 

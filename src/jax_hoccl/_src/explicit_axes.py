@@ -28,7 +28,8 @@ def _is_sharded(leaf) -> bool:
   return isinstance(leaf, jax.Array) and any(s is not None for s in jax.typeof(leaf).sharding.spec)
 
 
-def _unsharded(tree):
+def unsharded(tree):
+  """tree's arrays resharded to be unsharded over every non-manual axis (no-op if not)."""
   return jax.tree.map(lambda a: jax.sharding.reshard(a, P()) if _is_sharded(a) else a, tree)
 
 
@@ -40,7 +41,7 @@ def typed_like(op, lax_op=None):
   def wrapped(*args, **kwargs):
     if not explicit_auto_axes() or not any(map(_is_sharded, jax.tree.leaves((args, kwargs)))):
       return op(*args, **kwargs)
-    out = op(*_unsharded(args), **_unsharded(kwargs))
+    out = op(*unsharded(args), **unsharded(kwargs))
     if lax_op is None:
       return out
     leaves, tree = jax.tree.flatten((args, kwargs))
@@ -57,3 +58,16 @@ def typed_like(op, lax_op=None):
     return jax.tree.map(lambda o, r: jax.sharding.reshard(o, r.sharding.spec), out, ref)
 
   return wrapped
+
+
+def leading_spec(a):
+  """How a's leading axis is sharded over the Explicit auto axes (None: not sharded)."""
+  spec = tuple(jax.typeof(a).sharding.spec) if explicit_auto_axes() else ()
+  return spec[0] if spec else None
+
+
+def with_leading_spec(a, spec):
+  """a resharded so that its leading axis is sharded as `spec` (from leading_spec)."""
+  if spec is None:
+    return a
+  return jax.sharding.reshard(a, P(spec, *([None] * (a.ndim - 1))))
