@@ -44,7 +44,7 @@ def shift(n):
 
 def in_f32(reduce):
   """A jax.lax all-reduce of bf16/f16 done in f32 and rounded once (as jax_hoccl's sums are).
-  jax.lax's own bf16 psum/pmax/pmin/psum_scatter in a partial-manual shard_map abort XLA:CPU at compile
+  jax.lax's own bf16 psum/pmax/pmin in a partial-manual shard_map abort XLA:CPU at compile
   time in jax 0.11.2 (AllReducePromotion: "Invalid binary instruction opcode copy")."""
   def f(v, ax):
     if np.dtype(v.dtype).itemsize >= 4 or not jnp.issubdtype(v.dtype, jnp.floating):
