@@ -15,11 +15,60 @@ from jax._src.sharding_impls import SPMDAxisContext
 
 Primitive = core.Primitive
 deflinear2 = ad.deflinear2
-register_lowering = mlir.register_lowering
 lower_fun = mlir.lower_fun
 primitive_batchers = batching.primitive_batchers
 primitive_jvps = ad.primitive_jvps
 not_mapped = None  # a batching rule's output dim for an unbatched result
+
+
+def register_lowering(prim, rule, platform=None):
+  """Registers prim's lowering so that it always runs fully manual.
+
+  Inside a partial-manual shard_map (axis_names a subset of the mesh's axes) the SPMD
+  partitioner owns the other ("auto") axes, and it refuses a side-effecting custom call there
+  (UNIMPLEMENTED: Side-effect ops cannot be replicated). So, as jax lowers axis_index in that
+  case, the rule runs inside a shard_map over the auto axes with replicated specs: the
+  partitioner gives every device the whole value over the auto axes (gathering it first if it
+  sharded it) and leaves the call alone. Each device then meets the devices of its own group,
+  which differ from it along the manual axes only (axes.group_table)."""
+  multiple = prim.multiple_results
+
+  def lowering(ctx, *args, **params):
+    auto = auto_axes(ctx)
+    if not auto:
+      return rule(ctx, *args, **params)
+    from jax._src.shard_map import shard_map  # the inner one must not check vma: see below
+
+    def body(*xs):
+      return prim.bind(*xs, **params)
+
+    # check_vma=False: the outer body's types were checked when it was traced; the inner
+    # shard_map only makes the auto axes manual for the lowering.
+    whole = jax.P()
+    wrapped = shard_map(body, in_specs=(whole,) * len(args),
+                        out_specs=[whole] * len(ctx.avals_out) if multiple else whole,
+                        axis_names=frozenset(auto), check_vma=False)
+    _outer_meshes.append(ctx.module_context.axis_context.mesh)
+    try:
+      return mlir.lower_fun(wrapped, multiple_results=multiple)(ctx, *args)
+    finally:
+      _outer_meshes.pop()
+
+  mlir.register_lowering(prim, lowering, platform=platform)
+
+
+# The concrete meshes of the partial-manual bodies being lowered through register_lowering's
+# inner shard_map, whose own lowering context only has the abstract mesh.
+_outer_meshes: list = []
+
+
+def auto_axes(ctx) -> tuple:
+  """The mesh axes a lowering's shard_map body leaves to the partitioner (none: fully manual,
+  or outside shard_map)."""
+  axis_ctx = ctx.module_context.axis_context
+  if not isinstance(axis_ctx, SPMDAxisContext) or not axis_ctx.manual_axes:
+    return ()
+  return tuple(a for a in axis_ctx.mesh.axis_names if a not in axis_ctx.manual_axes)
 
 
 def check_vma_enabled() -> bool:
@@ -31,9 +80,25 @@ def varying_axes(aval) -> frozenset:
   return frozenset(aval.mat.varying)
 
 
-def with_type(aval, shape, varying) -> core.ShapedArray:
-  """`aval` with a new shape and set of varying manual axes."""
-  return aval.update(shape=tuple(shape), manual_axis_type=aval.mat.update(varying=frozenset(varying)))
+def spec_of(aval) -> tuple:
+  """aval's sharding spec over the mesh's non-manual axes, one entry per dimension."""
+  spec = tuple(aval.sharding.spec)
+  return spec + (None,) * (aval.ndim - len(spec))
+
+
+def with_type(aval, shape, varying, spec=None) -> core.ShapedArray:
+  """`aval` with a new shape, set of varying manual axes and sharding spec (over the mesh's
+  non-manual axes: Explicit ones are part of the type). spec=None keeps aval's spec when the
+  shape is unchanged and leaves every dimension unsharded otherwise: a spec kept across a
+  change of rank names the wrong dimensions (a stacked axis in front of a dimension sharded
+  over "x" gave P('x', 'x', ...), a DuplicateSpecError)."""
+  shape = tuple(shape)
+  if spec is None:
+    spec = spec_of(aval) if shape == tuple(aval.shape) else (None,) * len(shape)
+  if len(spec) != len(shape):
+    raise ValueError(f"jax_hoccl internal error: spec {spec} for shape {shape}")
+  return aval.update(shape=shape, sharding=aval.sharding.update(spec=jax.P(*spec)),
+                     manual_axis_type=aval.mat.update(varying=frozenset(varying)))
 
 
 def psum_invariant_primitive():
@@ -79,6 +144,10 @@ def concrete_mesh_from_lowering(ctx, op_name: str):
     np_ids = None if mesh is None else mesh.device_ids
   except Exception:  # AbstractMesh raises on device_ids (a nested shard_map)
     np_ids = None
+  if np_ids is None and _outer_meshes and mesh is not None:
+    outer = _outer_meshes[-1]
+    if tuple(outer.shape.items()) == tuple(mesh.shape.items()):
+      return outer
   if np_ids is None:
     raise NotImplementedError(
         f"jax_hoccl.{op_name} needs the device ids of its mesh at lowering, but this "

@@ -16,6 +16,8 @@ import jax
 import jax.custom_batching  # noqa: F401 (jax.custom_batching.custom_vmap)
 import jax.numpy as jnp
 
+from jax_hoccl._src import explicit_axes
+
 
 def batch_as_rows(fn: Callable, x, w, *, axis: int | None = 1, merge: bool = False):
   """fn(x, w); under vmap x's batch goes to `axis` of x (merged into the axis behind it with
@@ -29,6 +31,14 @@ def batch_as_rows(fn: Callable, x, w, *, axis: int | None = 1, merge: bool = Fal
   @f.def_vmap
   def rule(axis_size, in_batched, x, w):
     x_batched, w_batched = in_batched
+    # A batch sharded over an Explicit axis: slices and reshapes of it need it whole first;
+    # the result's batch is sharded as x's again (as jax.lax's would be).
+    batch_spec = explicit_axes.leading_spec(x if x_batched else w)
+    x, w = explicit_axes.unsharded((x, w))
+    y, batched = batched_rule(axis_size, x_batched, w_batched, x, w)
+    return explicit_axes.with_leading_spec(y, batch_spec), batched
+
+  def batched_rule(axis_size, x_batched, w_batched, x, w):
     if w_batched or axis is None:  # one call per example
       xs = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
       return jnp.stack([f(xs[i], w[i]) for i in range(axis_size)]), True

@@ -25,7 +25,7 @@ def _abstract_eval(x, *, axes, axis_size, invariant, skip_own, site):
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl all_gather: input must be varying over {axes}, got {set(vma)}")
   out_vma = vma - set(axes) if invariant else vma
-  return ji.with_type(x, (axis_size, *x.shape), out_vma)
+  return ji.with_type(x, (axis_size, *x.shape), out_vma, (None, *ji.spec_of(x)))
 
 
 def _lowering(ctx, x, *, axes, axis_size, invariant, skip_own, site):

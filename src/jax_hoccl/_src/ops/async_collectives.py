@@ -68,7 +68,8 @@ def _start_abstract_eval(x, *, op, axes, axis_size, perm, peers_only, invariant,
     raise ValueError(f"jax_hoccl {op}_start: input must be varying over {axes}, got {set(vma)}")
   if op == "all_gather":
     blocks = axis_size - 1 if peers_only else axis_size
-    out = ji.with_type(x, (blocks, *x.shape), vma - set(axes) if invariant else vma)
+    out = ji.with_type(x, (blocks, *x.shape), vma - set(axes) if invariant else vma,
+                      (None, *ji.spec_of(x)))
   else:
     out = ji.with_type(x, x.shape, vma)
   token = ji.with_type(x, (), vma).update(dtype=np.dtype(np.int32), weak_type=False)

@@ -25,7 +25,7 @@ def _abstract_eval(x, *, axes, axis_size, site):
     raise ValueError(f"jax_hoccl psum_scatter: input must be varying over {axes}, got {set(vma)}")
   if not x.shape or x.shape[0] != axis_size:
     raise ValueError(f"jax_hoccl psum_scatter: leading dim must be {axis_size}, got {x.shape}")
-  return ji.with_type(x, x.shape[1:], vma)
+  return ji.with_type(x, x.shape[1:], vma, ji.spec_of(x)[1:])
 
 
 def _impl(x, *, axes, axis_size, site):
