@@ -86,6 +86,7 @@ const DriverApi& GetDriverApi() {
       a->error = "the CUDA executor needs stream memory operations: " + err;
     }
     if (!Resolve("cuStreamBatchMemOp", &a->batch_mem_op).empty()) a->batch_mem_op = nullptr;
+    if (!Resolve("cuStreamWaitValue32", &a->wait_value32).empty()) a->wait_value32 = nullptr;
     if (!Resolve("cuGetErrorString", &a->get_error_string).empty()) a->get_error_string = nullptr;
     // All or nothing: a partial set would fail halfway through a mapping.
     const std::string vmm[] = {

@@ -15,6 +15,7 @@ namespace hoccl {
 struct DriverApi {
   using WriteValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
   using WaitValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+  using WaitValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
   using BatchMemOpFn = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*,
                                     unsigned int);
   using GetErrorStringFn = CUresult (*)(CUresult, const char**);
@@ -47,6 +48,7 @@ struct DriverApi {
   WriteValue64Fn write_value64 = nullptr;  // required
   WaitValue64Fn wait_value64 = nullptr;    // required
   BatchMemOpFn batch_mem_op = nullptr;     // optional: single ops are used without it
+  WaitValue32Fn wait_value32 = nullptr;    // optional: for the flagged GEMM's int32 flags
   GetErrorStringFn get_error_string = nullptr;  // optional: for messages
 
   MemGetAddressRangeFn mem_get_address_range = nullptr;

@@ -47,6 +47,7 @@ XLA_FFI_Error* kAllToAllStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kDoneCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAnnouncedGatherStartCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kGemmRingStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kRowsMatmulCuda(XLA_FFI_CallFrame* call_frame);  // rows_matmul_cuda.cc
 #endif
 }

@@ -16,6 +16,7 @@
 
 #include "communicator.h"
 #include "cuda_executor.h"
+#include "driver_api.h"
 #include "handler_common.h"
 #include "handlers.h"
 #include "job.h"
@@ -136,50 +137,31 @@ ffi::Error CudaFail(const char* what, cudaError_t e) {
                               cudaGetErrorString(e));
 }
 
-// in/in_bytes: the input (in_place: ignored, the input is my slot of the output, InputFor);
-// out_data/out_bytes: where the result goes (the whole output, or for the "into" variant the
-// rows [offset, offset + n * x rows) of a larger buffer). stream_index -1: no async stream,
-// the exchange runs on XLA's stream itself (lane 0) and done has nothing left to wait for
-// (the last exchange of a pipeline, which nothing can overlap: no event hops to pay).
-ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, const void* in,
-                     size_t in_bytes, void* out_data, size_t out_bytes,
-                     ffi::Span<const int64_t> groups, int64_t group_size,
-                     ffi::Span<const int64_t> permute_dst, int64_t stream_index, int64_t site,
-                     bool peers_only, bool at_source_slot = false, bool in_place = false,
-                     const Announce* announce = nullptr) {
-  HostTimer timer("start");
+// A start's stream: one of the device's async streams forked from XLA's (the input and the
+// output are XLA's as of this point of its stream), or XLA's itself (stream_index -1: the
+// exchange runs there, lane 0, and done has nothing left to wait for: the last exchange of a
+// pipeline, which nothing can overlap).
+ffi::ErrorOr<std::pair<cudaStream_t, int>> StartStream(AsyncState& a, cudaStream_t xla_stream,
+                                                       int64_t stream_index) {
   if (stream_index < -1 || stream_index >= kMaxAsyncLanes)
     return ffi::Error::InvalidArgument("jax_hoccl async: stream " + std::to_string(stream_index) +
                                        " out of range");
-  const bool on_xla_stream = stream_index < 0;
-  AsyncState& a = AsyncStateFor(device);
+  if (stream_index < 0) return std::make_pair(xla_stream, 0);
   cudaError_t e;
-  cudaStream_t stream = xla_stream;
-  if (!on_xla_stream) {
-    cudaStream_t& async = a.streams[stream_index];
-    if (!a.fork && (e = cudaEventCreateWithFlags(&a.fork, cudaEventDisableTiming)) != cudaSuccess)
-      return CudaFail("cudaEventCreateWithFlags", e);
-    if (!async && (e = cudaStreamCreateWithFlags(&async, cudaStreamNonBlocking)) != cudaSuccess)
-      return CudaFail("cudaStreamCreateWithFlags", e);
-    // The input and the output are XLA's as of this point of its stream.
-    if ((e = cudaEventRecord(a.fork, xla_stream)) != cudaSuccess) return CudaFail("cudaEventRecord", e);
-    if ((e = cudaStreamWaitEvent(async, a.fork, 0)) != cudaSuccess)
-      return CudaFail("cudaStreamWaitEvent", e);
-    stream = async;
-  }
-  OpSpec spec;
-  std::vector<int64_t> ids;
-  ffi::Error decoded = DecodeOp(op, GlobalDeviceId(device), in_bytes, out_bytes, groups, group_size,
-                                permute_dst, peers_only, &spec, &ids, at_source_slot, in_place);
-  if (!decoded.success()) return decoded;
-  in = InputFor(spec, in, out_data);
-  if (spec.bytes > 0 && OutputBytes(spec) > 0) {
-    Communicator& comm = CudaCommunicator(ids);
-    const int lane = on_xla_stream ? 0 : 1 + static_cast<int>(stream_index);
-    ExecStatus st = RunOnCuda(comm, spec, stream, in, out_data, lane, SiteName(site, OpName(op)),
-                              announce);
-    if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
-  }
+  cudaStream_t& async = a.streams[stream_index];
+  if (!a.fork && (e = cudaEventCreateWithFlags(&a.fork, cudaEventDisableTiming)) != cudaSuccess)
+    return CudaFail("cudaEventCreateWithFlags", e);
+  if (!async && (e = cudaStreamCreateWithFlags(&async, cudaStreamNonBlocking)) != cudaSuccess)
+    return CudaFail("cudaStreamCreateWithFlags", e);
+  if ((e = cudaEventRecord(a.fork, xla_stream)) != cudaSuccess) return CudaFail("cudaEventRecord", e);
+  if ((e = cudaStreamWaitEvent(async, a.fork, 0)) != cudaSuccess)
+    return CudaFail("cudaStreamWaitEvent", e);
+  return std::make_pair(async, 1 + static_cast<int>(stream_index));
+}
+
+// Records the event done waits for, after everything the start enqueued on `stream`.
+ffi::Error FinishStart(AsyncState& a, cudaStream_t stream, int64_t site) {
+  cudaError_t e;
   cudaEvent_t finished;
   if (!a.free_events.empty()) {
     finished = a.free_events.back();
@@ -190,6 +172,46 @@ ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, const v
   if ((e = cudaEventRecord(finished, stream)) != cudaSuccess) return CudaFail("cudaEventRecord", e);
   a.pending[site].push_back(finished);
   return ffi::Error::Success();
+}
+
+// One exchange on a start's stream (StartStream).
+ffi::Error EnqueueExchange(OpKind op, cudaStream_t stream, int lane, int32_t device,
+                           const void* in, size_t in_bytes, void* out_data, size_t out_bytes,
+                           ffi::Span<const int64_t> groups, int64_t group_size,
+                           ffi::Span<const int64_t> permute_dst, int64_t site, bool peers_only,
+                           bool at_source_slot, bool in_place, const Announce* announce) {
+  OpSpec spec;
+  std::vector<int64_t> ids;
+  ffi::Error decoded = DecodeOp(op, GlobalDeviceId(device), in_bytes, out_bytes, groups, group_size,
+                                permute_dst, peers_only, &spec, &ids, at_source_slot, in_place);
+  if (!decoded.success()) return decoded;
+  in = InputFor(spec, in, out_data);
+  if (spec.bytes > 0 && OutputBytes(spec) > 0) {
+    ExecStatus st = RunOnCuda(CudaCommunicator(ids), spec, stream, in, out_data, lane,
+                              SiteName(site, OpName(op)), announce);
+    if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
+  }
+  return ffi::Error::Success();
+}
+
+// in/in_bytes: the input (in_place: ignored, the input is my slot of the output, InputFor);
+// out_data/out_bytes: where the result goes (the whole output, or for the "into" variant the
+// rows [offset, offset + n * x rows) of a larger buffer).
+ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, const void* in,
+                     size_t in_bytes, void* out_data, size_t out_bytes,
+                     ffi::Span<const int64_t> groups, int64_t group_size,
+                     ffi::Span<const int64_t> permute_dst, int64_t stream_index, int64_t site,
+                     bool peers_only, bool at_source_slot = false, bool in_place = false,
+                     const Announce* announce = nullptr) {
+  HostTimer timer("start");
+  AsyncState& a = AsyncStateFor(device);
+  auto stream = StartStream(a, xla_stream, stream_index);
+  if (stream.has_error()) return stream.error();
+  ffi::Error err = EnqueueExchange(op, stream->first, stream->second, device, in, in_bytes,
+                                   out_data, out_bytes, groups, group_size, permute_dst, site,
+                                   peers_only, at_source_slot, in_place, announce);
+  if (!err.success()) return err;
+  return FinishStart(a, stream->first, site);
 }
 
 ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
@@ -270,6 +292,64 @@ ffi::Error AnnouncedGatherStartCuda(cudaStream_t stream, int32_t device, ffi::An
                    site, true, false, false, &announce);
 }
 
+// The reduce-scatter ring of matmul_reduce_scatter on the flagged GEMM (fused/
+// gemm_reduce_scatter.py). Outputs: send [(n-1) R, N] (the GEMM's partial sums, written in
+// place later), recv [(n-1) R, N] (rank r-1's partial sums, which my GEMM adds), gemm_flags
+// (int32, one per band of `band_bytes` of send, raised by the GEMM to `flag_target`), ready
+// (uint64, one per band of recv), token. Zeroes both flag arrays on XLA's stream, then on
+// the start's stream for each band in order: wait until my GEMM stored it, pass it to rank
+// r+1 (a ppermute of one band, copy engines only), announce my received band to my GEMM.
+ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer /*x*/,
+                             ffi::Result<ffi::AnyBuffer> send, ffi::Result<ffi::AnyBuffer> recv,
+                             ffi::Result<ffi::AnyBuffer> gemm_flags,
+                             ffi::Result<ffi::AnyBuffer> ready, ffi::Result<ffi::AnyBuffer>,
+                             ffi::Span<const int64_t> groups, int64_t group_size,
+                             int64_t band_bytes, int64_t flag_target, int64_t stream_index,
+                             int64_t site) {
+  HostTimer timer("start");
+  const size_t bytes = send->size_bytes();
+  if (band_bytes <= 0 || bytes % static_cast<size_t>(band_bytes) || recv->size_bytes() != bytes)
+    return ffi::Error::InvalidArgument("jax_hoccl matmul_reduce_scatter ring: bands of " +
+                                       std::to_string(band_bytes) + " bytes in " +
+                                       std::to_string(bytes));
+  const size_t bands = bytes / static_cast<size_t>(band_bytes);
+  if (gemm_flags->size_bytes() < bands * sizeof(int32_t) || ready->size_bytes() < bands * sizeof(uint64_t))
+    return ffi::Error::InvalidArgument("jax_hoccl matmul_reduce_scatter ring: too few flags");
+  const DriverApi& api = GetDriverApi();
+  if (!api.wait_value32)
+    return ffi::Error(ffi::ErrorCode::kUnavailable, "jax_hoccl matmul_reduce_scatter: the CUDA "
+                      "driver has no cuStreamWaitValue32");
+  cudaError_t e;
+  if ((e = cudaMemsetAsync(gemm_flags->untyped_data(), 0, gemm_flags->size_bytes(), xla_stream)) != cudaSuccess ||
+      (e = cudaMemsetAsync(ready->untyped_data(), 0, ready->size_bytes(), xla_stream)) != cudaSuccess)
+    return CudaFail("cudaMemsetAsync", e);
+  AsyncState& a = AsyncStateFor(device);
+  auto stream = StartStream(a, xla_stream, stream_index);
+  if (stream.has_error()) return stream.error();
+  std::vector<int64_t> to_next(static_cast<size_t>(group_size));
+  for (int64_t src = 0; src < group_size; ++src) to_next[src] = (src + 1) % group_size;
+  char* send_at = static_cast<char*>(send->untyped_data());
+  char* recv_at = static_cast<char*>(recv->untyped_data());
+  auto* flags = static_cast<int32_t*>(gemm_flags->untyped_data());
+  auto* announced = static_cast<uint64_t*>(ready->untyped_data());
+  for (size_t b = 0; b < bands; ++b) {
+    CUresult r = api.wait_value32(reinterpret_cast<CUstream>(stream->first),
+                                  reinterpret_cast<CUdeviceptr>(flags + b),
+                                  static_cast<cuuint32_t>(flag_target), CU_STREAM_WAIT_VALUE_GEQ);
+    if (r != CUDA_SUCCESS)
+      return ffi::Error::Internal("jax_hoccl matmul_reduce_scatter: " +
+                                  api.Describe("cuStreamWaitValue32", r));
+    Announce announce{announced + b, static_cast<size_t>(band_bytes)};
+    ffi::Error err = EnqueueExchange(
+        OpKind::kPermute, stream->first, stream->second, device, send_at + b * band_bytes,
+        band_bytes, recv_at + b * band_bytes, band_bytes, groups, group_size,
+        ffi::Span<const int64_t>(to_next.data(), to_next.size()), site, false, false, false,
+        &announce);
+    if (!err.success()) return err;
+  }
+  return FinishStart(a, stream->first, site);
+}
+
 ffi::Error DoneCuda(cudaStream_t xla_stream, int32_t device, ffi::RemainingArgs,
                     ffi::RemainingRets, int64_t site) {
   HostTimer timer("done");
@@ -344,6 +424,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAnnouncedGatherStartCuda, AnnouncedGatherStartCud
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("announce_bytes")
+                                  .Attr<int64_t>("stream")
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGemmRingStartCuda, GemmRingStartCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("band_bytes")
+                                  .Attr<int64_t>("flag_target")
                                   .Attr<int64_t>("stream")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kDoneCuda, DoneCuda,

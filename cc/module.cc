@@ -73,6 +73,7 @@ nb::dict Registrations() {
   add("hoccl_done", Capsule(hoccl::kDoneCpu), HOCCL_CUDA(kDoneCuda));
   // CUDA only: its consumer is the flagged GEMM (Hopper GPUs)
   add("hoccl_announced_gather_start", nb::none(), HOCCL_CUDA(kAnnouncedGatherStartCuda));
+  add("hoccl_gemm_ring_start", nb::none(), HOCCL_CUDA(kGemmRingStartCuda));
   add("hoccl_after", Capsule(hoccl::kOrderAfter), HOCCL_CUDA(kOrderAfter));
   // GEMM on row ranges (fused ops); on CPU the lowering is XLA's own dot instead.
   add("hoccl_rows_matmul", nb::none(), HOCCL_CUDA(kRowsMatmulCuda));

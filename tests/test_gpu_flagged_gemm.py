@@ -149,8 +149,12 @@ def test_ready_flags_hold_tiles_until_rows_arrive():
   rank = jnp.array([r], jnp.int32)
   for x in (own, a_src, a_dst, ready, gate):
     x.block_until_ready()
-  f = jax.jit(lambda own, a, b, rank, ready: fg.flagged_matmul(
-      a, b, own=own, rank=rank, ready=ready, ready_rows=ready_rows, ready_value=7))
+  walk = [fg.WalkBlock(a=fg.Rows(0, 0), out=fg.Rows(fg.RESULT, 0, by_rank=True))] + [
+      fg.WalkBlock(a=fg.Rows(1, j - 1), out=fg.Rows(fg.RESULT, j, by_rank=True), wait="a")
+      for j in range(1, blocks)]
+  f = jax.jit(lambda own, a, b, rank, ready: fg.walk_matmul(
+      b, [own, a], walk, rows_per_block, result=(blocks * rows_per_block, own.dtype), rank=rank,
+      ready=ready, ready_rows=ready_rows, ready_value=7))
   f(own, a_src, b, rank, jnp.full((2 * nflags,), 7, jnp.int32)).block_until_ready()  # compile
   copier, releaser = ck(cu.cuStreamCreate(1)), ck(cu.cuStreamCreate(1))
   gp, rp = gate.unsafe_buffer_pointer(), ready.unsafe_buffer_pointer()

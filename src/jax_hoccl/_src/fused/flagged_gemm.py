@@ -1,15 +1,18 @@
-"""The flagged GEMM: out = a @ b (+ c) on a Hopper GPU as one persistent Pallas Mosaic GPU kernel
-that tells the copy engines which rows are done, and can wait for rows that the copy engines
-bring in.
+"""The flagged GEMM: x @ w (+ c) on a Hopper GPU as one persistent Pallas Mosaic GPU kernel
+that tells the copy engines which rows are done, and waits for rows that the copy engines bring
+in. The fused ops (all_gather_matmul, matmul_reduce_scatter) are walks of it.
 
-- Producer flags: once every tile of a block of `flag_rows` output rows is stored (the TMA
-  stores completed, then a system-scope release), `flags[block]` has been raised by
-  `flag_target(...)`. A copy-engine stream that waits on it with `cuStreamWaitValue32(GEQ)` may
-  copy those rows while the kernel works on later ones.
-- Consumer flags: with `ready`, a tile of rows [r, r + 128) waits (system-scope acquire) until
-  `ready[r // ready_rows] >= ready_value` before it loads its rows of `a` and of `c`: rows the
-  copy engines are still bringing in (`cuStreamWriteValue32` after the copy, on the copying
-  stream) are multiplied as they land.
+- A walk: the output rows are computed block after block (R rows each, WalkBlock), each
+  block's rows of `a`, `c` and the output taken from any operand's block, fixed or chosen by
+  this rank (block + rank) % blocks, so one kernel serves every rank of a ring.
+- Producer flags: once every tile of `flag_rows` rows of a block with `flag` is stored (the TMA
+  stores completed, then a GPU-scope release), flags[those rows // flag_rows] has reached
+  `flag_target(...)`. A copy-engine stream that waits on it with `cuStreamWaitValue32(GEQ)`
+  may copy those rows while the kernel works on later ones.
+- Consumer flags: a tile of a block with `wait` waits (system-scope acquire) until the low word
+  of ready[2 * (row // ready_rows)] (uint64 flags, written by stream memory operations after
+  the copies: cc/cuda_executor.h, Announce) is >= ready_value, `row` being the row of the
+  operand it waits for (its `a` or its `c`), before it loads it.
 
 Why our own kernel: cuBLAS cannot say which tiles are done (CUDA 13 removed its progress
 counters), and cutting a cuBLAS GEMM into row pieces costs 4-13% per piece (docs/design.md).
@@ -17,9 +20,9 @@ counters), and cutting a cuBLAS GEMM into row pieces costs 4-13% per piece (docs
 Layout of the work: CTA tiles of 128 x 256 output elements (two compute warpgroups side by side
 on N, one warpgroup issuing TMA loads), walked in bands of BAND_TILES row tiles (all columns of
 a band before the next band, rows minor inside it), so blocks of rows finish in order and the
-band's slice of `a` stays in L2. The kernel writes `out` and `flags` in place: both are
-inputs (their addresses must be known to the copy-engine streams before the kernel runs), and
-the kernel returns only a small token that orders their readers after it.
+band's slice of `a` stays in L2. A block whose rows copy engines read is written in place into
+an operand (the addresses must be known to the copy-engine streams before the kernel runs);
+the kernel's own result (or a token) orders every later reader after it.
 """
 from __future__ import annotations
 
@@ -126,21 +129,41 @@ def _await_flag(flag_ref, value):
   wait(flag_ref)
 
 
+RESULT = -1  # Rows.ref of the kernel's own result
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+  """R rows of operand `ref` (an index into the operands, or RESULT): its block `block`, or
+  with by_rank its block (block + rank) % (its rows // R)."""
+  ref: int
+  block: int
+  by_rank: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class WalkBlock:
+  a: Rows
+  out: Rows
+  c: Rows | None = None
+  wait: str | None = None   # "a" or "c": its tiles wait for those rows' ready flags
+  flag: bool = False        # raise flags for its output rows (out must be an operand)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-  """What the kernel reads and writes (static: one compiled kernel per layout)."""
-  m: int                # rows of the walk (and of the output)
+  walk: tuple
+  rows: int             # R
   k: int
   n: int
-  own_rows: int         # rows [0, own_rows) of the walk come from `own` (0: all from `a`)
-  blocks: int           # with `rank`: the output holds `blocks` blocks of own_rows rows
+  blocks_of: tuple      # operand index -> its rows // R (RESULT last)
   has_rank: bool
-  has_c: bool
-  into: bool            # write into a given `out` (else it is the kernel's output)
   flag_rows: int        # 0: no producer flags
   ready_rows: int       # 0: no consumer waits
   ready_value: int
   ordered: bool
+  n_operands: int
+  has_result: bool
 
 
 def _kernel_body(lay: _Layout, *refs):
@@ -149,18 +172,18 @@ def _kernel_body(lay: _Layout, *refs):
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   refs = list(refs)
-  own_gmem = refs.pop(0) if lay.own_rows else None
-  a_gmem, b_gmem = refs.pop(0), refs.pop(0)
-  c_gmem = refs.pop(0) if lay.has_c else None
+  w_gmem = refs.pop(0)
+  operands = [refs.pop(0) for _ in range(lay.n_operands)]
   rank_gmem = refs.pop(0) if lay.has_rank else None
   ready_gmem = refs.pop(0) if lay.ready_rows else None
-  if lay.into:
-    out_gmem = refs.pop(0)
   flags_gmem = refs.pop(0) if lay.flag_rows else None
-  if not lay.into:
-    out_gmem = refs.pop(0)
-  # what is left is the token output of `into`: never written, it orders readers after us
-  dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
+  if lay.has_result:
+    operands.append(refs.pop(0))  # operands[RESULT]
+  # what may be left is the token output: never written, it orders readers after the kernel
+  first = lay.walk[0]
+  a0 = operands[first.a.ref]
+  dtype = a0.dtype
+  out_dtype = operands[first.out.ref].dtype
   in_swizzle = plgpu.find_swizzle(TILE_K * jnp.dtype(dtype).itemsize * 8)
   in_transforms = (plgpu.TilingTransform((8, in_swizzle // jnp.dtype(dtype).itemsize)),
                    plgpu.SwizzleTransform(in_swizzle))
@@ -168,11 +191,12 @@ def _kernel_body(lay: _Layout, *refs):
   out_transforms = (plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
                     plgpu.SwizzleTransform(out_swizzle))
   cta_n = COMPUTE_WGS * TILE_N
-  m_tiles, n_tiles, k_steps = lay.m // TILE_M, lay.n // cta_n, lay.k // TILE_K
-  own_tiles = lay.own_rows // TILE_M
+  block_tiles = lay.rows // TILE_M
+  m_tiles, n_tiles, k_steps = len(lay.walk) * block_tiles, lay.n // cta_n, lay.k // TILE_K
   band = min(BAND_TILES, m_tiles)
   epi_tiles = [(i, j) for i in range(TILE_M // EPI) for j in range(TILE_N // EPI)]
   ordered = lay.ordered
+  has_c = any(blk.c is not None for blk in lay.walk)
 
   def pipeline(mma, epilogue):
     return plgpu.emit_pipeline_warp_specialized(
@@ -188,146 +212,157 @@ def _kernel_body(lay: _Layout, *refs):
 
   @functools.partial(
       pl.run_scoped,
-      allocs=pipeline(nothing, nothing).get_allocations(a_gmem, b_gmem),
+      allocs=pipeline(nothing, nothing).get_allocations(a0, w_gmem),
       stage=plgpu.SMEM((COMPUTE_WGS, 2, EPI, EPI), out_dtype, transforms=out_transforms),
-      c_arrived=plgpu.Barrier(num_barriers=2 * COMPUTE_WGS) if lay.has_c else None,
+      c_arrived=plgpu.Barrier(num_barriers=2 * COMPUTE_WGS) if has_c else None,
       collective_axes="wg")
   def _scope(allocs, stage, c_arrived):
     wg = lax.axis_index("wg")
     rank = rank_gmem[0] if rank_gmem is not None else None
     # A tile's flag is raised (after its stores complete) at the start of the next tile's
     # epilogue, once its mainloop gave the stores time to land: raising it right after the
-    # stores makes the warpgroup wait for them, ~1.5% of the GEMM's time on H200. With
-    # `ready` it is raised at once: a deferred flag could wait for a tile that waits for a
+    # stores makes the warpgroup wait for them, ~1.5% of the GEMM's time on H200. In a walk
+    # that waits it is raised at once: a deferred flag could wait for a tile that waits for a
     # peer that waits for this flag.
     defer = ordered and lay.ready_rows == 0
 
-    def flag_at(block):
-      return flags_gmem.at[pl.ds(block, 1)]
+    def flag_at(index):
+      return flags_gmem.at[pl.ds(index, 1)]
+
+    def row_of(spec: Rows, i):
+      """The first row of tile i (of this block) in operand spec.ref."""
+      block = spec.block
+      if spec.by_rank:
+        block = lax.rem(block + rank, lay.blocks_of[spec.ref])
+      return block * lay.rows + i * TILE_M
 
     @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm", init_carry=jnp.int32(-1))
-    def last_block(info, carry):
+    def last_flag(info, carry):
       (t,) = info.index
       mi, ni = plgpu.planar_snake(t, (m_tiles, n_tiles), 0, band)
-      out_mi = mi
-      if rank is not None:  # walk block j is the output's block (j + rank) % blocks
-        out_mi = lax.rem(mi // own_tiles + rank, lay.blocks) * own_tiles + lax.rem(mi, own_tiles)
-      out_rows = pl.ds(out_mi * TILE_M, TILE_M)
+      i = lax.rem(mi, block_tiles)
       cols = pl.ds(ni * cta_n + wg * TILE_N, TILE_N)   # this warpgroup's half (compute wgs)
-      block = (mi * TILE_M) // max(lay.flag_rows, 1)
-      a_row = (mi - own_tiles) * TILE_M  # row of `a` (rows past the own ones)
-      if ready_gmem is not None:
-        @pl.when(mi >= own_tiles)
-        def _wait_rows():  # one uint64 flag per block of ready rows; its low word
-          _await_flag(ready_gmem.at[pl.ds(2 * (a_row // lay.ready_rows), 1)], lay.ready_value)
+      w_cols = w_gmem.at[:, pl.ds(ni * cta_n, cta_n)]
+      flag = jnp.int32(-1)
+      for j, blk in enumerate(lay.walk):
+        flag = jnp.where(mi // block_tiles == j,
+                         row_of(blk.out, i) // max(lay.flag_rows, 1) if blk.flag else -1, flag)
 
-      def epilogue(run_mainloop):
-        @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
-        def _acc(acc):
-          if flags_gmem is not None and not ordered:
-            _raise_flag(flag_at(block), ordered=False)
-          run_mainloop(acc)
-          result = acc[...].astype(out_dtype)
-          if flags_gmem is not None and defer:
-            @pl.when(carry >= 0)
-            def _previous_tile():
-              _raise_flag(flag_at(carry), ordered=True)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores left smem
-          for e, (i, j) in enumerate(epi_tiles):
-            slot = e % 2
-            sub = (slice(i * EPI, (i + 1) * EPI), slice(j * EPI, (j + 1) * EPI))
-            dst = out_gmem.at[out_rows, cols].at[sub]
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            if c_gmem is None:
-              stage[wg, slot] = result[sub]
-            else:
-              bar = c_arrived.at[wg * 2 + slot]
-              plgpu.copy_gmem_to_smem(c_gmem.at[out_rows, cols].at[sub], stage.at[wg, slot], bar)
-              plgpu.barrier_wait(bar)
-              stage[wg, slot] += result[sub]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(stage.at[wg, slot], dst)
-          if flags_gmem is not None and ordered and not defer:
-            _raise_flag(flag_at(block), ordered=True)
+      def run_block(blk: WalkBlock):
+        out_rows = pl.ds(row_of(blk.out, i), TILE_M)
+        out_gmem = operands[blk.out.ref]
+        c_gmem = operands[blk.c.ref] if blk.c is not None else None
+        if blk.wait:  # one uint64 flag per ready_rows rows; its low word
+          waited = row_of(blk.a if blk.wait == "a" else blk.c, i)
+          _await_flag(ready_gmem.at[pl.ds(2 * (waited // lay.ready_rows), 1)], lay.ready_value)
 
-      def mma(_, a_smem, b_smem, acc):
-        plgpu.wgmma(acc, a_smem, b_smem.at[:, pl.ds(wg * TILE_N, TILE_N)])
-        plgpu.wgmma_wait(0)
-        return acc
+        def epilogue(run_mainloop):
+          @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
+          def _acc(acc):
+            if blk.flag and not ordered:
+              _raise_flag(flag_at(flag), ordered=False)
+            run_mainloop(acc)
+            result = acc[...].astype(out_dtype)
+            if flags_gmem is not None and defer:
+              @pl.when(carry >= 0)
+              def _previous_tile():
+                _raise_flag(flag_at(carry), ordered=True)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores left smem
+            for e, (ei, ej) in enumerate(epi_tiles):
+              slot = e % 2
+              sub = (slice(ei * EPI, (ei + 1) * EPI), slice(ej * EPI, (ej + 1) * EPI))
+              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+              if c_gmem is None:
+                stage[wg, slot] = result[sub]
+              else:
+                bar = c_arrived.at[wg * 2 + slot]
+                c_rows = pl.ds(row_of(blk.c, i), TILE_M)
+                plgpu.copy_gmem_to_smem(c_gmem.at[c_rows, cols].at[sub], stage.at[wg, slot], bar)
+                plgpu.barrier_wait(bar)
+                stage[wg, slot] += result[sub]
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(stage.at[wg, slot], out_gmem.at[out_rows, cols].at[sub])
+            if blk.flag and ordered and not defer:
+              _raise_flag(flag_at(flag), ordered=True)
 
-      b_cols = b_gmem.at[:, pl.ds(ni * cta_n, cta_n)]
-      if own_gmem is None:
-        pipeline(mma, epilogue)(a_gmem.at[pl.ds(mi * TILE_M, TILE_M), :], b_cols,
-                                allocations=allocs)
+        def mma(_, a_smem, b_smem, acc):
+          plgpu.wgmma(acc, a_smem, b_smem.at[:, pl.ds(wg * TILE_N, TILE_N)])
+          plgpu.wgmma_wait(0)
+          return acc
+
+        a_rows = pl.ds(row_of(blk.a, i), TILE_M)
+        pipeline(mma, epilogue)(operands[blk.a.ref].at[a_rows, :], w_cols, allocations=allocs)
+
+      if len(lay.walk) == 1:
+        run_block(lay.walk[0])
       else:
-        @pl.when(mi < own_tiles)
-        def _own_rows():
-          pipeline(mma, epilogue)(own_gmem.at[pl.ds(mi * TILE_M, TILE_M), :], b_cols,
-                                  allocations=allocs)
-
-        @pl.when(mi >= own_tiles)
-        def _other_rows():
-          pipeline(mma, epilogue)(a_gmem.at[pl.ds(a_row, TILE_M), :], b_cols,
-                                  allocations=allocs)
-      return block
+        for j, blk in enumerate(lay.walk):
+          pl.when(mi // block_tiles == j)(functools.partial(run_block, blk))
+      return flag if flags_gmem is not None else carry
 
     if flags_gmem is not None and defer:  # this CTA's last tile (memory warpgroup: last)
-      @pl.when((wg < COMPUTE_WGS) & (last_block >= 0))
+      @pl.when((wg < COMPUTE_WGS) & (last_flag >= 0))
       def _last_tile():
-        _raise_flag(flag_at(last_block), ordered=True)
+        _raise_flag(flag_at(last_flag), ordered=True)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
 
-def flagged_matmul(a, b, *, c=None, out=None, flags=None, flag_rows=TILE_M, own=None,
-                   rank=None, ready=None, ready_rows=TILE_M, ready_value=1, _ordered=True):
-  """a @ b (+ c) by the kernel. Returns the product [M, N], or with `out` a token.
-
-  Producer: `flags` int32 [M // flag_rows], zero, raised per finished block of rows (to
-  flag_target(N, flag_rows)). Then `out` [M, N] should be given too: the product is written
-  into it in place, and the returned token (int32 [128]) must order every later reader of
-  `out`/`flags` after the kernel (pass buffers nobody else reads before it, e.g. a jax_hoccl
-  start's outputs), since their addresses must be known before the kernel runs.
-  Consumer: the rows of the walk are `own` [R, K] (if given) then `a`; a tile of a's rows
-  waits until the low word of ready[2 * (row // ready_rows)] (int32 pairs: uint64 flags) is
-  >= ready_value. rank: int32 [1]; walk block j (of R rows) goes to output block
-  (j + rank) % (M // R)."""
+def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
+                ready_rows=TILE_M, ready_value=1, flags=None, flag_rows=TILE_M, _ordered=True):
+  """Runs a walk (module docstring): every WalkBlock's R = `rows` rows of out = a @ w (+ c).
+  operands: arrays [., K] (a) or [., N] (c, out written in place); result: (rows, dtype) of
+  the kernel's own result (Rows.ref RESULT), or None. Returns the result, or a token (int32
+  [128]) when there is none: every later reader of an operand written in place (and of
+  `flags`) must depend on it. rank: int32 [1], for Rows.by_rank. ready: int32 [2 * flags]
+  (uint64 flags) per ready_rows rows of the operands waited for. flags: int32 [rows // flag_rows]
+  of the operand(s) written with `flag`, zero before the kernel."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  rows_a, k = a.shape
-  n = b.shape[1]
-  own_rows = 0 if own is None else own.shape[0]
-  m = own_rows + rows_a
-  out_dtype = (out.dtype if out is not None else c.dtype if c is not None else a.dtype)
-  reason = unsupported_reason(m, k, n, a.dtype, out_dtype, b.dtype)
-  if reason or (own is not None and (own.shape[1] != k or own.dtype != a.dtype
-                                     or own_rows % TILE_M or m % own_rows)):
-    raise ValueError(f"jax_hoccl flagged GEMM: unsupported {reason or 'own rows ' + str(own.shape)}")
-  for name, rows, base in (("flag_rows", flag_rows if flags is not None else TILE_M, m),
-                           ("ready_rows", ready_rows if ready is not None else TILE_M, rows_a)):
-    if rows % TILE_M or base % rows:
-      raise ValueError(f"jax_hoccl flagged GEMM: {name}={rows} must be a multiple of {TILE_M} "
-                       f"dividing {base}")
-  lay = _Layout(m=m, k=k, n=n, own_rows=own_rows, blocks=m // own_rows if own_rows else 1,
-                has_rank=rank is not None, has_c=c is not None, into=out is not None,
-                flag_rows=flag_rows if flags is not None else 0,
+  k, n = w.shape
+  walk = tuple(walk)
+  first = walk[0]
+  a_dtype = operands[first.a.ref].dtype
+  out_dtype = result[1] if first.out.ref == RESULT else operands[first.out.ref].dtype
+  reason = unsupported_reason(len(walk) * rows, k, n, a_dtype, out_dtype, w.dtype)
+  if reason:
+    raise ValueError(f"jax_hoccl flagged GEMM: unsupported {reason}")
+  blocks_of = [x.shape[0] // rows for x in operands] + ([result[0] // rows] if result else [])
+  for name, x in zip(range(len(operands)), operands):
+    if x.shape[0] % rows:
+      raise ValueError(f"jax_hoccl flagged GEMM: operand {name} has {x.shape[0]} rows, not a "
+                       f"multiple of R={rows}")
+  for name, r, used in (("flag_rows", flag_rows, flags is not None),
+                        ("ready_rows", ready_rows, ready is not None)):
+    if used and (r % TILE_M or rows % r):
+      raise ValueError(f"jax_hoccl flagged GEMM: {name}={r} must be a multiple of {TILE_M} "
+                       f"dividing R={rows}")
+  if any(b.wait for b in walk) != (ready is not None) or any(b.flag for b in walk) != (
+      flags is not None):
+    raise ValueError("jax_hoccl flagged GEMM: ready/flags must be given exactly when the walk "
+                     "waits/raises flags")
+  lay = _Layout(walk=walk, rows=rows, k=k, n=n, blocks_of=tuple(blocks_of),
+                has_rank=rank is not None, flag_rows=flag_rows if flags is not None else 0,
                 ready_rows=ready_rows if ready is not None else 0, ready_value=int(ready_value),
-                ordered=bool(_ordered))
-  if lay.has_rank and not own_rows:
-    raise ValueError("jax_hoccl flagged GEMM: rank places blocks of own rows; give own")
-  out_types = []
-  if flags is None and out is not None:
-    raise ValueError("jax_hoccl flagged GEMM: out is for producer flags; give flags too")
-  if out is None:
-    out_types.append(jax.ShapeDtypeStruct((m, n), out_dtype))
-  else:
-    out_types.append(jax.ShapeDtypeStruct((128,), jnp.int32))  # the token
-  sms = _sm_count()
+                ordered=bool(_ordered), n_operands=len(operands), has_result=result is not None)
+  out_type = (jax.ShapeDtypeStruct((result[0], n), result[1]) if result is not None
+              else jax.ShapeDtypeStruct((128,), jnp.int32))
   kernel = plgpu.kernel(
-      functools.partial(_kernel_body, lay), out_type=out_types[0],
-      grid=(sms,), grid_names=("sm",), num_threads=COMPUTE_WGS + 1, thread_name="wg",
+      functools.partial(_kernel_body, lay), out_type=out_type,
+      grid=(_sm_count(),), grid_names=("sm",), num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  operands = ([own] if own is not None else []) + [a, b] + ([c] if c is not None else [])
-  operands += ([rank] if rank is not None else []) + ([ready] if ready is not None else [])
-  operands += ([out] if out is not None else []) + ([flags] if flags is not None else [])
-  return kernel(*operands)
+  extra = [x for x in (rank, ready, flags) if x is not None]
+  return kernel(w, *operands, *extra)
+
+
+def flagged_matmul(a, b, *, c=None, out=None, flags=None, flag_rows=TILE_M, _ordered=True):
+  """a @ b (+ c) by the kernel, in one block of rows. Returns the product, or with `out` (and
+  `flags`, raised per flag_rows rows) the token of walk_matmul, `out` written in place."""
+  m = a.shape[0]
+  operands = [a] + ([c] if c is not None else []) + ([out] if out is not None else [])
+  c_rows = Rows(1, 0) if c is not None else None
+  out_rows = Rows(len(operands) - 1, 0) if out is not None else Rows(RESULT, 0)
+  result = None if out is not None else (m, c.dtype if c is not None else a.dtype)
+  walk = [WalkBlock(a=Rows(0, 0), out=out_rows, c=c_rows, flag=flags is not None)]
+  return walk_matmul(b, operands, walk, m, result=result, flags=flags, flag_rows=flag_rows,
+                     _ordered=_ordered)

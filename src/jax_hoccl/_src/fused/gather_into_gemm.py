@@ -18,9 +18,9 @@ import numpy as np
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
-from jax_hoccl._src.fused import exchanges as ex
 from jax_hoccl._src.fused import flagged_gemm as fg
 from jax_hoccl._src.ops import common
+from jax_hoccl._src.ops import async_collectives as ac
 from jax_hoccl._src.ops.async_collectives import Pending, start_attrs
 
 # Rows per announced chunk: small enough that the first peer tile waits little after my own
@@ -60,6 +60,14 @@ def applies(x, w, n) -> bool:
           and fg.unsupported_reason(n * m, k, w.shape[1], x.dtype, None, w.dtype) is None)
 
 
+def walk(n):
+  """My rows first (nothing to wait for), then the peers' (ranks r+1, ...) as they land; walk
+  block j is rank (r + j)'s rows of the output."""
+  return [fg.WalkBlock(a=fg.Rows(0, 0), out=fg.Rows(fg.RESULT, 0, by_rank=True))] + [
+      fg.WalkBlock(a=fg.Rows(1, j - 1), out=fg.Rows(fg.RESULT, j, by_rank=True), wait="a")
+      for j in range(1, n)]
+
+
 def gather_into_gemm(x, w, axes, n):
   """(all_gather(x) @ w in rank order, the peers' rows [n-1, m, K] rotated as peers_only).
   x is 2-D [m, K]; applies(x, w, n) must hold."""
@@ -68,10 +76,11 @@ def gather_into_gemm(x, w, axes, n):
   gathered, ready, token = announced_gather_start_p.bind(
       x, axes=tuple(axes), axis_size=int(n), ready_rows=READY_ROWS, site=site)
   rank = common.rank(axes).astype(np.int32).reshape(1)
-  out = fg.flagged_matmul(gathered.reshape(-1, x.shape[1]), w, own=x, rank=rank, ready=ready,
-                          ready_rows=READY_ROWS)
+  out = fg.walk_matmul(w, [x, gathered.reshape(-1, x.shape[1])], walk(n), x.shape[0],
+                       result=(n * x.shape[0], x.dtype), rank=rank, ready=ready,
+                       ready_rows=READY_ROWS)
   # a Pallas kernel's result carries no varying type: it varies as its operands do
   vma = ji.varying_axes(jax.typeof(x)) | ji.varying_axes(jax.typeof(w))
   out = common.ensure_varying(out, tuple(a for a in vma))
-  peers = ex.done_after(Pending(gathered, x, token, site, lambda b: b), out)
+  peers, out = ac.done(Pending(gathered, x, token, site, lambda b: b), out)  # after the GEMM
   return out, peers

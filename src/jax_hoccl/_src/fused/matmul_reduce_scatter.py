@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src.fused import gemm_reduce_scatter as flagged
 from jax_hoccl._src.fused import pipeline, ring
 from jax_hoccl._src.fused.rows_matmul import runs_on_cublaslt
 from jax_hoccl._src.fused.cotangent import cotangent_like
@@ -54,6 +55,10 @@ def _ring(x, w, axes, n, chunks):
 def multiply_and_scatter(x, w, axes, n, chunks=None):
   if n == 1:
     return x @ w
+  x2 = x.reshape(-1, x.shape[-1])
+  if chunks is None and flagged.applies(x2, w, n):  # one flagged GEMM walking the ring
+    out = flagged.gemm_reduce_scatter(x2, w, axes, n)
+    return out.reshape(x.shape[0] // n, *x.shape[1:-1], w.shape[1])
   if runs_on_cublaslt(x.dtype, *w.shape):  # (on CPU too, where its GEMMs are XLA's)
     return _ring(x, w, axes, n, chunks)
   rows = x.shape[0] // n
