@@ -26,6 +26,12 @@ if ! $PY -c "import jax, nanobind, scikit_build_core, pytest, matplotlib" >/dev/
   $PY -m pip install -q --upgrade pip
   $PY -m pip install -q "jax==${JAX_VERSION}" "jaxlib==${JAX_VERSION}" nanobind scikit-build-core pytest numpy matplotlib
 fi
+# flax and optax for examples/train_flax.py and its test (the pins of pyproject.toml's
+# `examples` extra; ~10 s and ~125 MB from the package index, once).
+if ! $PY -c "import flax, optax" >/dev/null 2>&1; then
+  # (jax named too, so that pip never swaps the jax under test for another)
+  $PY -m pip install -q "flax==0.12.12" "optax==0.2.8" "jax==${JAX_VERSION}" "jaxlib==${JAX_VERSION}"
+fi
 # Build and install jax_hoccl itself (the CUDA engine too when nvcc is found).
 $PY -m pip install -q --no-build-isolation --no-deps --force-reinstall .
 

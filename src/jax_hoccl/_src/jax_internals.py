@@ -86,19 +86,54 @@ def spec_of(aval) -> tuple:
   return spec + (None,) * (aval.ndim - len(spec))
 
 
-def with_type(aval, shape, varying, spec=None) -> core.ShapedArray:
-  """`aval` with a new shape, set of varying manual axes and sharding spec (over the mesh's
-  non-manual axes: Explicit ones are part of the type). spec=None keeps aval's spec when the
-  shape is unchanged and leaves every dimension unsharded otherwise: a spec kept across a
-  change of rank names the wrong dimensions (a stacked axis in front of a dimension sharded
-  over "x" gave P('x', 'x', ...), a DuplicateSpecError)."""
+def unreduced_axes(aval) -> frozenset:
+  """Axes over which `aval` holds one addend per device of a sum (or max, min) not yet taken:
+  jax.lax.pcast(x, axes, to="unreduced"), or an unreduced in_spec on an Explicit mesh."""
+  return frozenset(aval.mat.unreduced)
+
+
+def reduced_axes(aval) -> frozenset:
+  """Axes over which `aval` is the same on every device but its cotangent is unreduced
+  (all_gather(..., to="reduced"), jax.lax.pcast(x, axes, to="reduced"))."""
+  return frozenset(aval.mat.reduced)
+
+
+def unreduced_kind(aval):
+  """The reduction an unreduced `aval` is waiting for: "sum", "max", "min"; None if none."""
+  kind = aval.mat.unreduced_kind
+  return None if kind is None else kind.name
+
+
+def with_type(aval, shape, varying, spec=None, unreduced=None, reduced=None) -> core.ShapedArray:
+  """`aval` with a new shape, set of varying manual axes, sharding spec (over the mesh's
+  non-manual axes: Explicit ones are part of the type) and unreduced / reduced manual axes
+  (unchanged when None; an aval unreduced over no axis has no unreduced kind). spec=None keeps
+  aval's spec when the shape is unchanged and leaves every dimension unsharded otherwise: a
+  spec kept across a change of rank names the wrong dimensions (a stacked axis in front of a
+  dimension sharded over "x" gave P('x', 'x', ...), a DuplicateSpecError)."""
   shape = tuple(shape)
   if spec is None:
     spec = spec_of(aval) if shape == tuple(aval.shape) else (None,) * len(shape)
   if len(spec) != len(shape):
     raise ValueError(f"jax_hoccl internal error: spec {spec} for shape {shape}")
+  mat = aval.mat
+  unreduced = mat.unreduced if unreduced is None else frozenset(unreduced)
+  reduced = mat.reduced if reduced is None else frozenset(reduced)
+  kind = mat.unreduced_kind if unreduced else None
   return aval.update(shape=shape, sharding=aval.sharding.update(spec=jax.P(*spec)),
-                     manual_axis_type=aval.mat.update(varying=frozenset(varying)))
+                     manual_axis_type=mat.update(varying=frozenset(varying), unreduced=unreduced,
+                                                 reduced=reduced, unreduced_kind=kind))
+
+
+def lower_with_avals(ctx, avals_in, rule, *args, **params):
+  """rule(ctx, *args, **params) with ctx's input types replaced by `avals_in`: a lowering
+  whose implementation is written for other manual-axis types than its primitive's (an
+  unreduced input summed by the code for a varying one; HLO carries no such types)."""
+  sub = ctx.replace(avals_in=tuple(avals_in), tokens_out=None)
+  out = rule(sub, *args, **params)
+  if sub.tokens_out is not None:
+    ctx.set_tokens_out(sub.tokens_out)
+  return out
 
 
 def psum_invariant_primitive():

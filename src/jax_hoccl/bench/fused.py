@@ -41,7 +41,7 @@ def looped(mesh, body, in_specs):
   only the element that feeds the next call used, XLA shrank an op's trailing elementwise work
   (matmul_reduce_scatter's sum) to that one element, and its cost vanished from the timing."""
 
-  varying = functools.partial(common.ensure_varying, axes=tuple(mesh.axis_names))
+  varying = functools.partial(common.ensure_varying, axes=tuple(mesh.axis_names), op="bench")
 
   def loop(*args):
     def step(_, carry):

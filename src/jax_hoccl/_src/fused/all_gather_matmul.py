@@ -60,4 +60,4 @@ def all_gather_matmul(x, w, axis_name):
     raise ValueError(f"jax_hoccl.all_gather_matmul: needs x [m, ..., K] and w [K, N], got "
                      f"{x.shape} and {w.shape}.")
   axes_lib.check_dtype(x, "all_gather_matmul", summable=True)
-  return _agmm(common.ensure_varying(x, axes), w, axes)
+  return _agmm(common.ensure_varying(x, axes, "all_gather_matmul"), w, axes)

@@ -62,4 +62,4 @@ def embedding_all_to_all(table, ids, axis_name):
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise TypeError(f"jax_hoccl.embedding_all_to_all: ids must be integers, got {ids.dtype}.")
   axes_lib.check_dtype(table, "embedding_all_to_all", summable=True)
-  return _ema2a(common.ensure_varying(table, axes), ids, axes)
+  return _ema2a(common.ensure_varying(table, axes, "embedding_all_to_all"), ids, axes)

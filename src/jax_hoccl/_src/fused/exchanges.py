@@ -86,7 +86,7 @@ def _into_target(into):
 
 
 def _into_start(x, dst, axes, n, *, in_place_rows=0, sync=False, **params):
-  x = common.ensure_varying(x, axes)
+  x = common.ensure_varying(x, axes, "fused exchange")
   site = axes_lib.new_site()
   outs = into_start_p.bind(x, *dst, axes=tuple(axes), axis_size=int(n), site=site,
                            in_place_rows=int(in_place_rows), sync=bool(sync), **params)

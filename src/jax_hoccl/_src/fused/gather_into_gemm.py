@@ -27,6 +27,7 @@ from jax_hoccl._src.ops.async_collectives import Pending, start_attrs
 # rows, large enough that the per-copy costs stay small (a chunk of K = 8192 bf16 is 8 MiB).
 READY_ROWS = 512
 
+OP = "all_gather_matmul"
 announced_gather_start_p = ji.Primitive("hoccl_announced_gather_start")
 announced_gather_start_p.multiple_results = True
 
@@ -71,7 +72,7 @@ def walk(n):
 def gather_into_gemm(x, w, axes, n):
   """(all_gather(x) @ w in rank order, the peers' rows [n-1, m, K] rotated as peers_only).
   x is 2-D [m, K]; applies(x, w, n) must hold."""
-  x = common.ensure_varying(x, axes)
+  x = common.ensure_varying(x, axes, OP)
   site = axes_lib.new_site()
   gathered, ready, token = announced_gather_start_p.bind(
       x, axes=tuple(axes), axis_size=int(n), ready_rows=READY_ROWS, site=site)
@@ -81,6 +82,6 @@ def gather_into_gemm(x, w, axes, n):
                        ready_rows=READY_ROWS)
   # a Pallas kernel's result carries no varying type: it varies as its operands do
   vma = ji.varying_axes(jax.typeof(x)) | ji.varying_axes(jax.typeof(w))
-  out = common.ensure_varying(out, tuple(a for a in vma))
+  out = common.ensure_varying(out, tuple(vma), OP)
   peers, out = ac.done(Pending(gathered, x, token, site, lambda b: b), out)  # after the GEMM
   return out, peers

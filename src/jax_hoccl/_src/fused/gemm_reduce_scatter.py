@@ -33,6 +33,7 @@ from jax_hoccl._src.ops.async_collectives import Pending, start_attrs
 MAX_BANDS_PER_STEP = 8
 MIN_BAND_ROWS = 256
 
+OP = "matmul_reduce_scatter"
 gemm_ring_start_p = ji.Primitive("hoccl_gemm_ring_start")
 gemm_ring_start_p.multiple_results = True
 
@@ -87,7 +88,7 @@ def walk(n):
 
 def gemm_reduce_scatter(x, w, axes, n):
   """psum_scatter(x @ w, tiled) for 2-D x [M, K]; applies(x, w, n) must hold."""
-  x = common.ensure_varying(x, axes)
+  x = common.ensure_varying(x, axes, OP)
   rows, nout = x.shape[0] // n, w.shape[1]
   band = band_rows(rows)
   site = axes_lib.new_site()
@@ -99,6 +100,6 @@ def gemm_reduce_scatter(x, w, axes, n):
                        ready=ready, ready_rows=band, flags=flags, flag_rows=band)
   # a Pallas kernel's result carries no varying type: it varies as its operands do
   vma = ji.varying_axes(jax.typeof(x)) | ji.varying_axes(jax.typeof(w))
-  out = common.ensure_varying(out, tuple(vma))
+  out = common.ensure_varying(out, tuple(vma), OP)
   _, out = ac.done(Pending(send, x, token, site, lambda b: b), out)  # after the GEMM
   return out

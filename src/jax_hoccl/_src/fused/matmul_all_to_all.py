@@ -106,4 +106,4 @@ def matmul_all_to_all(x, w, axis_name):
     raise ValueError(f"jax_hoccl.matmul_all_to_all: needs x [n={n}, ..., K] and w [..., K, N],"
                      f" got {x.shape} and {w.shape}.")
   axes_lib.check_dtype(x, "matmul_all_to_all", summable=True)
-  return _mma2a(common.ensure_varying(x, axes), w, axes)
+  return _mma2a(common.ensure_varying(x, axes, "matmul_all_to_all"), w, axes)

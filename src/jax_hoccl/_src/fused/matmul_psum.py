@@ -124,4 +124,4 @@ def matmul_psum(x, w, axis_name, *, chunks=None):
       raise ValueError(f"jax_hoccl.matmul_psum: chunks={chunks} needs M={x.shape[0]} to divide "
                        f"by the axis size {n} of {axes}.")
     chunks = ring.checked_chunks(chunks, x.shape[0] // n, "matmul_psum")
-  return _mmps(common.ensure_varying(x, axes), w, axes, chunks)
+  return _mmps(common.ensure_varying(x, axes, "matmul_psum"), w, axes, chunks)

@@ -82,8 +82,8 @@ def _mmrs_fwd(x, w, axis_name, chunks):
 def _mmrs_bwd(axis_name, chunks, res, ct):
   x, w = res
   axes, n = axes_lib.check_axes(axis_name, "matmul_reduce_scatter")
-  dx, ct_gathered = gather_and_multiply(common.ensure_varying(ct, axes), w.T, axes, n,
-                                        with_rows=True)
+  ct = common.ensure_varying(ct, axes, "matmul_reduce_scatter")
+  dx, ct_gathered = gather_and_multiply(ct, w.T, axes, n, with_rows=True)
   k, nout = w.shape
   dw = x.reshape(-1, k).T @ ct_gathered.reshape(-1, nout)
   return cotangent_like(dx, x), cotangent_like(dw, w)
@@ -111,4 +111,4 @@ def matmul_reduce_scatter(x, w, axis_name, *, chunks=None):
   axes_lib.check_dtype(x, "matmul_reduce_scatter", summable=True)
   if chunks is not None:
     chunks = ring.checked_chunks(chunks, x.shape[0] // n, "matmul_reduce_scatter")
-  return _mmrs(common.ensure_varying(x, axes), w, axes, chunks)
+  return _mmrs(common.ensure_varying(x, axes, "matmul_reduce_scatter"), w, axes, chunks)

@@ -3,7 +3,9 @@
 The primitive `hoccl_all_gather` is the mover: x -> out[n, *x.shape], out[k] = rank k's x,
 a copy per peer, no arithmetic. `all_gather` (jax.lax's signature) places that stacked axis
 where the user asked. With invariant=True the output is typed invariant over the axes
-(jax.lax.all_gather_invariant; psum uses it). With skip_own=True my own slot out[rank] is
+(jax.lax.all_gather_invariant; psum uses it); with reduced=True typed reduced over them
+(all_gather(..., to="reduced"): the same on every rank, its cotangent unreduced, transposed
+to psum_scatter of an unreduced input). With skip_own=True my own slot out[rank] is
 left unwritten: psum sums my block from its input instead (no local copy).
 """
 from __future__ import annotations
@@ -20,17 +22,24 @@ from jax_hoccl._src.ops import across_processes, buckets, common
 all_gather_p = ji.Primitive("hoccl_all_gather")
 
 
-def _abstract_eval(x, *, axes, axis_size, invariant, skip_own, site):
+def _abstract_eval(x, *, axes, axis_size, invariant, reduced, skip_own, site):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl all_gather: input must be varying over {axes}, got {set(vma)}")
+  if reduced:  # jax.lax's all_gather_reduced
+    if ji.unreduced_axes(x):
+      common.check_unreduced_kind(x, axes, "all_gather", "sum")
+    return ji.with_type(x, (axis_size, *x.shape), vma - set(axes),
+                        reduced=ji.reduced_axes(x) | set(axes))
   out_vma = vma - set(axes) if invariant else vma
   return ji.with_type(x, (axis_size, *x.shape), out_vma, (None, *ji.spec_of(x)))
 
 
-def _lowering(ctx, x, *, axes, axis_size, invariant, skip_own, site):
+def _lowering(ctx, x, *, axes, axis_size, invariant, reduced, skip_own, site):
   # (Across processes every slot is written, my own too: a superset of skip_own's result.)
-  across = across_processes.lowering_for("all_gather", ctx, x, axes=axes, invariant=invariant)
+  # A reduced result moves the same bytes as an invariant one.
+  across = across_processes.lowering_for("all_gather", ctx, x, axes=axes,
+                                         invariant=invariant or reduced)
   if across is not None:
     return across
   return ffi_lower("hoccl_all_gather", "all_gather", ctx, x, skip_own=np.int64(skip_own),
@@ -49,19 +58,24 @@ ji.register_lowering(all_gather_p, _lowering)
 ji.primitive_batchers[all_gather_p] = _batch
 
 
-def gather_stacked(x, axes, axis_size, invariant=False, skip_own=False):
+def gather_stacked(x, axes, axis_size, invariant=False, skip_own=False, reduced=False):
   return all_gather_p.bind(x, axes=tuple(axes), axis_size=int(axis_size), invariant=invariant,
-                           skip_own=bool(skip_own), site=axes_lib.new_site())
+                           reduced=bool(reduced), skip_own=bool(skip_own),
+                           site=axes_lib.new_site())
 
 
 def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to="varying"):
   """jax.lax.all_gather on copy engines. Works on pytrees (leaves of one dtype and type in
   one exchange per bucket, buckets.py). `to="invarying"` (jax.lax's spelling; "invariant" is
-  accepted too) types the output invariant over the axes, like jax.lax.all_gather_invariant."""
-  if to == "reduced":
-    raise NotImplementedError("jax_hoccl.all_gather: to='reduced' is not supported.")
-  if to not in ("varying", "invarying", "invariant"):
-    raise ValueError(f"jax_hoccl.all_gather: to must be 'varying' or 'invarying', got {to!r}")
+  accepted too) types the output invariant over the axes, like jax.lax.all_gather_invariant;
+  `to="reduced"` types it reduced over them (check_vma=True; its cotangent is unreduced and
+  goes back through psum_scatter), like jax.lax's."""
+  if to not in ("varying", "invarying", "invariant", "reduced"):
+    raise ValueError(f"jax_hoccl.all_gather: to must be 'varying', 'invarying' or 'reduced', "
+                     f"got {to!r}")
+  if to == "reduced" and not ji.check_vma_enabled():
+    raise ValueError("jax_hoccl.all_gather: to='reduced' needs shard_map(check_vma=True): "
+                     "reduced is a type, which values carry only under check_vma.")
   if axes_lib.split_vmap_axes(axis_name)[0]:  # a vmap axis: jax.lax's (see axes.py)
     return jax.lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
                               tiled=tiled, to="invarying" if to == "invariant" else to)
@@ -70,7 +84,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
     return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled,
                               to="invarying" if to == "invariant" else to)
 
-  invariant = to != "varying"
+  invariant, reduced = to in ("invarying", "invariant"), to == "reduced"
 
   def prepare(leaf):
     leaf = jnp.asarray(leaf)
@@ -78,7 +92,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
     common.canonical_axis(axis, leaf.ndim if tiled else leaf.ndim + 1, "all_gather", "axis")
     if tiled and leaf.ndim == 0:
       raise ValueError("jax_hoccl.all_gather: tiled=True needs an input of rank >= 1.")
-    return common.ensure_varying(leaf, axes)
+    return common.ensure_varying(leaf, axes, "all_gather")
 
   def place(y, leaf):  # y [n, *leaf.shape] -> the layout jax.lax.all_gather returns
     nd = leaf.ndim
@@ -92,7 +106,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
 
   leaves, tree = jax.tree.flatten(x)
   leaves = [prepare(leaf) for leaf in leaves]
-  gather = lambda v: gather_stacked(v, axes, n, invariant=invariant)  # noqa: E731
+  gather = lambda v: gather_stacked(v, axes, n, invariant=invariant, reduced=reduced)  # noqa: E731
   out = buckets.combined(
       leaves, lambda leaf: place(gather(leaf), leaf), pack=lambda leaf: leaf.reshape(-1),
       exchange=gather, unpack=lambda part, leaf: place(part.reshape(n, *leaf.shape), leaf))

@@ -79,7 +79,7 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None,
     if leaf.ndim == 0:
       raise ValueError("jax_hoccl.all_to_all: input must have rank >= 1.")
     s, _ = axes_of(leaf.ndim)
-    return common.rank_blocks(common.ensure_varying(leaf, axes), s, n, tiled, axes,
+    return common.rank_blocks(common.ensure_varying(leaf, axes, "all_to_all"), s, n, tiled, axes,
                               "all_to_all", "split_axis")
 
   def place(got):  # got[j] = rank j's block for me -> jax.lax's layout

@@ -225,7 +225,11 @@ def all_gather_start(x, axis_name, *, axis=0, tiled=False, peers_only=False, to=
   axes, n = axes_lib.check_axes(axis_name, "all_gather_start")
   x = jnp.asarray(x)
   axes_lib.check_dtype(x, "all_gather_start")
-  x = common.ensure_varying(x, axes)
+  if to == "reduced":
+    raise NotImplementedError(
+        "jax_hoccl.all_gather_start: to='reduced' is not supported (a reduced type is for "
+        "autodiff, which async pairs do not have); use jax_hoccl.all_gather(..., to='reduced').")
+  x = common.ensure_varying(x, axes, "all_gather_start")
   if peers_only:
     return _start("all_gather", x, axes, n, order_input, peers_only=True)
   nd = x.ndim
@@ -253,7 +257,7 @@ def all_to_all_start(x, axis_name, *, tiled=True, order_input=True):
     raise ValueError(f"jax_hoccl.all_to_all_start: leading axis {x.shape[:1]} must split into "
                      f"{n} blocks (the size of {axes}).")
   shape = x.shape
-  blocks = common.ensure_varying(x, axes).reshape(n, shape[0] // n, *shape[1:])
+  blocks = common.ensure_varying(x, axes, "all_to_all_start").reshape(n, shape[0] // n, *shape[1:])
   return _start("all_to_all", blocks, axes, n, order_input, finish=lambda y: y.reshape(shape))
 
 
@@ -262,7 +266,7 @@ def ppermute_start(x, axis_name, perm, *, order_input=True):
   axes, n = axes_lib.check_axes(axis_name, "ppermute_start")
   x = jnp.asarray(x)
   axes_lib.check_dtype(x, "ppermute_start")
-  return _start("ppermute", common.ensure_varying(x, axes), axes, n, order_input,
+  return _start("ppermute", common.ensure_varying(x, axes, "ppermute_start"), axes, n, order_input,
                 perm=check_perm(perm, n))
 
 
@@ -273,7 +277,7 @@ def psum_start(x, axis_name, *, order_input=True):
   exchange of (n - 1) x the bytes (psum's one_shot): over more than two ranks, a large array
   moves fewer bytes as psum_scatter_start, then all_gather_start of the result."""
   axes, n = axes_lib.check_axes(axis_name, "psum_start")
-  x = common.ensure_varying(common.summable(x, "psum_start"), axes)
+  x = common.ensure_varying(common.summable(x, "psum_start"), axes, "psum_start")
   return _start("all_gather", x, axes, n, order_input, invariant=True,
                 finish=common.sum_leading)
 
@@ -284,6 +288,7 @@ def psum_scatter_start(x, axis_name, *, scatter_dimension=0, tiled=False, order_
   bf16/f16 accumulate in f32)."""
   axes, n = axes_lib.check_axes(axis_name, "psum_scatter_start")
   shape = jnp.shape(x)
+  x = common.ensure_varying(jnp.asarray(x), axes, "psum_scatter_start")  # (unreduced: no)
   blocks = scatter_blocks(x, axes, n, scatter_dimension, tiled, "psum_scatter_start")
 
   def finish(got):  # got[j]: rank j's block for me

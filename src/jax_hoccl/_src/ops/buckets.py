@@ -1,6 +1,6 @@
 """Pytrees of many arrays in few exchanges: every collective of a pytree (psum, pmean, pmax,
 pmin, psum_scatter, all_gather, all_to_all, ppermute) puts the leaves of one dtype and one
-type (varying axes) side by side in one buffer per bucket of up to BUCKET_BYTES and moves it
+type (varying, unreduced and reduced axes) side by side in one buffer per bucket of up to BUCKET_BYTES and moves it
 in one exchange, as XLA combines its own all-reduces, reduce-scatters and all-gathers. A small exchange costs ~25-40 us (copy-engine and flag
 latency, host enqueue), which a model's dozens of small gradient or parameter leaves would
 otherwise pay one by one. Env JAX_HOCCL_BUCKET_BYTES sets the size (0: one exchange per leaf).
@@ -35,8 +35,10 @@ def buckets(leaves, limit: int):
       done.append([i])
       continue
     aval = jax.typeof(leaf)
-    vma = ji.varying_axes(aval) if ji.check_vma_enabled() else frozenset()
-    key = (leaf.dtype, vma, aval.weak_type)  # (a weak-typed leaf stays weak, as in jax.lax)
+    # Leaves of one type only: varying, unreduced and reduced axes (and unreduced kind).
+    mat = ((ji.varying_axes(aval), ji.unreduced_axes(aval), ji.reduced_axes(aval),
+            ji.unreduced_kind(aval)) if ji.check_vma_enabled() else ())
+    key = (leaf.dtype, mat, aval.weak_type)  # (a weak-typed leaf stays weak, as in jax.lax)
     bucket, size = open_.get(key, ([], 0))
     if size + nbytes > limit and bucket:
       done.append(bucket)

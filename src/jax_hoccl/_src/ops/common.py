@@ -1,4 +1,4 @@
-"""Helpers shared by the collectives: summing received blocks, pytree mapping, pvary."""
+"""Helpers shared by the collectives: summing received blocks, pvary, manual-axis types."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,22 +13,34 @@ def sum_leading(x):
   """Sum over axis 0 as a left fold in rank order (x[0] + x[1] + ...), which XLA fuses into
   one elementwise pass. bf16/f16 (and float8) accumulate in f32 and round once. The fixed
   order makes the result identical on every rank and every run, and bitwise equal to XLA:CPU's
-  own psum."""
+  own psum. Written with lax's primitives, not jnp's operators: this runs at every lowering
+  of psum and psum_scatter, where jnp's indexing and promotion cost ~4x the time
+  (benchmarks/README.md, "Compile cost")."""
   dt = np.dtype(x.dtype)
   low_precision = bool(jnp.issubdtype(dt, jnp.floating)) and dt.itemsize < 4
-  acc = x[0].astype(jnp.float32) if low_precision else x[0]
-  for i in range(1, x.shape[0]):
-    acc = acc + (x[i].astype(jnp.float32) if low_precision else x[i])
-  return acc.astype(dt)
+
+  # One split into [1, ...] blocks and one reshape at the end: n + 1 ops, not 3n.
+  blocks = jax.lax.split(x, (1,) * x.shape[0], axis=0)
+  if low_precision:
+    blocks = [jax.lax.convert_element_type(b, np.float32) for b in blocks]
+  acc = blocks[0]
+  for b in blocks[1:]:
+    acc = jax.lax.add(acc, b)
+  acc = jax.lax.reshape(acc, x.shape[1:])
+  return jax.lax.convert_element_type(acc, dt) if low_precision else acc
 
 
 def with_own(received, own, axes):
   """`received` [n, ...], whose slot `rank` the mover left unwritten (skip_own), with that
   slot taken from `own`: what a reduction over the ranks reads, without copying my own block
-  into `received` first (XLA fuses the select into the reduction)."""
-  n = received.shape[0]
-  mine = (jnp.arange(n) == rank(axes)).reshape((n,) + (1,) * own.ndim)
-  return jnp.where(mine, own[None], received)
+  into `received` first (XLA fuses the select into the reduction). lax's primitives, as in
+  sum_leading."""
+  n, shape = received.shape[0], received.shape
+  mine = jax.lax.eq(jax.lax.iota(np.int32, n),
+                    jax.lax.broadcast(jax.lax.convert_element_type(rank(axes), np.int32), (n,)))
+  return jax.lax.select(jax.lax.broadcast_in_dim(mine, shape, (0,)),
+                        jax.lax.broadcast_in_dim(own, shape, tuple(range(1, len(shape)))),
+                        received)
 
 
 def sum_leading_with_own(received, own, axes):
@@ -52,11 +64,86 @@ def reduced_type(x, axes, op):
   return ji.with_type(x, x.shape, vma - set(axes))
 
 
-def ensure_varying(x, axes):
+# Manual-axis types (check_vma=True) of a collective's input over its axes, as jax.lax names
+# them: varying (one value per device), invariant (the same everywhere), unreduced (one addend
+# per device of a reduction not yet taken) and reduced (the same everywhere, its cotangent
+# unreduced). jax.lax's all-reduces and psum_scatter take unreduced inputs (and only the
+# reduction their unreduced kind names); all_gather(to="reduced") makes reduced outputs.
+def input_state(x, axes, op: str) -> str:
+  """"varying", "invariant", "unreduced" or "reduced": x's type over `axes` ("varying"
+  without check_vma, where values carry no types). Unreduced or reduced over some of the axes
+  and not all is an error, as in jax.lax (a mix of varying and invariant is made varying)."""
+  if not ji.check_vma_enabled():
+    return "varying"
+  aval = jax.typeof(x)
+  states = set()
+  for a in axes:
+    if a in ji.varying_axes(aval):
+      states.add("varying")
+    elif a in ji.unreduced_axes(aval):
+      states.add("unreduced")
+    elif a in ji.reduced_axes(aval):
+      states.add("reduced")
+    else:
+      states.add("invariant")
+  if states == {"varying", "invariant"}:
+    return "varying"
+  if len(states) > 1:
+    raise ValueError(
+        f"jax_hoccl.{op}: the input {aval.str_short(True)} is {' and '.join(sorted(states))} "
+        f"over different axes of {tuple(axes)}; like jax.lax.{op}, the axes must all be "
+        "unreduced, all reduced, or all varying/invariant.")
+  return states.pop()
+
+
+def check_unreduced_kind(x, axes, op: str, kind: str) -> None:
+  """An unreduced input waits for one reduction (jax.sharding.UnreducedKind): `op` may take
+  it only if that is `kind`, as jax.lax's unreduced psum / pmax / pmin check."""
+  got = ji.unreduced_kind(x)
+  if got != kind:
+    raise ValueError(
+        f"jax_hoccl.{op}: the input {x.str_short(True)} is unreduced over {tuple(axes)} "
+        f"waiting for a {got} (unreduced_kind={got}); {op} takes unreduced inputs of "
+        f"unreduced_kind={kind} only, like jax.lax.{op}.")
+
+
+def unreduced_result_type(x, axes, op: str, kind: str, shape=None):
+  """The type of an all-reduce's or psum_scatter's result on an input unreduced over `axes`
+  (check_vma=True): no longer unreduced over them, nothing else changes (psum_scatter adds
+  them to the varying axes itself)."""
+  if not set(axes) <= ji.unreduced_axes(x):
+    raise ValueError(f"jax_hoccl {op}: input must be unreduced over {axes}, got "
+                     f"{x.str_short(True)}")
+  check_unreduced_kind(x, axes, op, kind)
+  return ji.with_type(x, x.shape if shape is None else shape, ji.varying_axes(x),
+                      unreduced=ji.unreduced_axes(x) - set(axes))
+
+
+def as_varying(aval, axes):
+  """`aval` typed varying over `axes` instead of unreduced or reduced: the type the
+  implementation of an unreduced collective is traced for at lowering (its bytes are the
+  same; only jax's checks see types)."""
+  return ji.with_type(aval, aval.shape, ji.varying_axes(aval) | set(axes),
+                      unreduced=ji.unreduced_axes(aval) - set(axes),
+                      reduced=ji.reduced_axes(aval) - set(axes))
+
+
+def ensure_varying(x, axes, op: str):
   """Like jax.lax's collectives: an input invariant over `axes` is first made varying, so a
-  psum of a replicated value sums n copies (check_vma=True only; a no-op otherwise)."""
+  psum of a replicated value sums n copies (check_vma=True only; a no-op otherwise). An input
+  unreduced or reduced over them is an error naming `op` (the ops that take unreduced
+  inputs check input_state first)."""
   if not ji.check_vma_enabled():
     return x
+  state = input_state(x, axes, op)
+  if state in ("unreduced", "reduced"):
+    what = ("unreduced inputs over its axes are taken by psum, pmean, pmax, pmin and "
+            "psum_scatter only" if state == "unreduced" else
+            "a reduced value is already the same on every device; jax.lax.pcast(x, axes, "
+            "to='varying') makes it varying")
+    raise ValueError(f"jax_hoccl.{op}: the input {jax.typeof(x).str_short(True)} is {state} "
+                     f"over {tuple(axes)}, which {op} does not take, like jax.lax.{op} "
+                     f"({what}).")
   missing = tuple(a for a in axes if a not in ji.varying_axes(jax.typeof(x)))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 

@@ -20,22 +20,31 @@ from jax_hoccl._src.ops.all_gather import gather_stacked
 extremum_p = ji.Primitive("hoccl_extremum")
 
 
-def _abstract_eval(x, *, axes, axis_size, op, site):
+_KIND = {"pmax": "max", "pmin": "min"}  # the unreduced kind each takes (jax.lax's)
+
+
+def _abstract_eval(x, *, axes, axis_size, op, unreduced, site):
+  if unreduced:  # jax.lax's unreduced_pmax / unreduced_pmin
+    return common.unreduced_result_type(x, axes, op, _KIND[op])
   return common.reduced_type(x, axes, op)
 
 
-def _impl(x, *, axes, axis_size, op, site):
+def _impl(x, *, axes, axis_size, op, unreduced, site):
   got = gather_stacked(x, axes, axis_size, invariant=True, skip_own=True)
   return (jnp.max if op == "pmax" else jnp.min)(common.with_own(got, x, axes), axis=0)
 
 
-def _lowering(ctx, x, *, axes, axis_size, op, site):
+def _lowering(ctx, x, *, axes, axis_size, op, unreduced, site):
+  if unreduced:  # reduced by the code for a varying input (the same bytes)
+    return ji.lower_with_avals(ctx, [common.as_varying(ctx.avals_in[0], axes)], _lowering, x,
+                               axes=axes, axis_size=axis_size, op=op, unreduced=False,
+                               site=site)
   with axes_lib.user_op(op):
     across = across_processes.lowering_for(op, ctx, x, axes=axes)
     if across is not None:
       return across
     return ji.lower_fun(_impl, multiple_results=False)(ctx, x, axes=axes, axis_size=axis_size,
-                                                        op=op, site=site)
+                                                        op=op, unreduced=False, site=site)
 
 
 def _batch(args, dims, **params):
@@ -63,10 +72,15 @@ def _extremum(x, axis_name, axis_index_groups, op):
     axes_lib.check_dtype(leaf, op)
     if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
       raise TypeError(f"jax_hoccl.{op}: complex numbers have no order ({leaf.dtype}).")
-    return common.ensure_varying(leaf, axes)
+    if common.input_state(leaf, axes, op) == "unreduced":
+      common.check_unreduced_kind(jax.typeof(leaf), axes, op, _KIND[op])
+      return leaf
+    return common.ensure_varying(leaf, axes, op)
 
   def one(leaf):
-    return extremum_p.bind(leaf, axes=axes, axis_size=n, op=op, site=axes_lib.new_site())
+    unreduced = common.input_state(leaf, axes, op) == "unreduced"
+    return extremum_p.bind(leaf, axes=axes, axis_size=n, op=op, unreduced=unreduced,
+                           site=axes_lib.new_site())
 
   return buckets.elementwise(x, prepare, one)
 
@@ -86,7 +100,7 @@ def _across_nodes(x, *, axes, local, cross, sizes, op, **_):
   on the local result."""
   if local:
     x = extremum_p.bind(x, axes=local, axis_size=across_processes.size_of(local, dict(sizes)),
-                        op=op, site=axes_lib.new_site())
+                        op=op, unreduced=False, site=axes_lib.new_site())
   return (jax.lax.pmax if op == "pmax" else jax.lax.pmin)(x, cross)
 
 

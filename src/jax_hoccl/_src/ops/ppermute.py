@@ -86,7 +86,7 @@ def ppermute(x, axis_name, perm):
   def prepare(leaf):
     leaf = jnp.asarray(leaf)
     axes_lib.check_dtype(leaf, "ppermute")
-    return common.ensure_varying(leaf, axes)
+    return common.ensure_varying(leaf, axes, "ppermute")
 
   def one(leaf):
     return ppermute_p.bind(leaf, axes=axes, axis_size=n, perm=perm, site=axes_lib.new_site())

@@ -58,11 +58,13 @@ def psum_algorithm(name: str):
     _local.algorithm = prev
 
 
-def _abstract_eval(x, *, axes, axis_size, algorithm, site):
+def _abstract_eval(x, *, axes, axis_size, algorithm, unreduced, site):
+  if unreduced:  # jax.lax's unreduced_psum: unreduced over axes -> invariant over them
+    return common.unreduced_result_type(x, axes, "psum", "sum")
   return common.reduced_type(x, axes, "psum")
 
 
-def _impl(x, *, axes, axis_size, algorithm, site):
+def _impl(x, *, axes, axis_size, algorithm, unreduced, site):
   n = axis_size
   if algorithm == "one_shot":
     got = gather_stacked(x, axes, n, invariant=True, skip_own=True)
@@ -86,13 +88,16 @@ def two_step(x, axes, n, across=None):
   return full[:size].reshape(x.shape)
 
 
-def _transpose(ct, x, *, axes, axis_size, algorithm, site):
+def _transpose(ct, x, *, axes, axis_size, algorithm, unreduced, site):
+  if unreduced:
+    # As jax.lax's unreduced_psum: the invariant cotangent, typed reduced (a no-op cast).
+    return [jax.lax.pcast(ct, tuple(axes), to="reduced")]
   if ji.check_vma_enabled():
     # Typed invariant, the cotangent is the same on every rank: psum is psum + pbroadcast.
     return [jax.lax.pcast(ct, tuple(axes), to="varying")]
   # Without types the cotangent may differ per rank: the true transpose sums it.
   return [psum_p.bind(ct, axes=axes, axis_size=axis_size, algorithm=algorithm,
-                      site=axes_lib.new_site())]
+                      unreduced=False, site=axes_lib.new_site())]
 
 
 def _batch(args, dims, **params):
@@ -100,14 +105,19 @@ def _batch(args, dims, **params):
   return psum_p.bind(x, **params), d
 
 
-def _lowering(ctx, x, *, axes, axis_size, algorithm, site):
+def _lowering(ctx, x, *, axes, axis_size, algorithm, unreduced, site):
+  if unreduced:  # summed by the code for a varying input (the same bytes)
+    return ji.lower_with_avals(ctx, [common.as_varying(ctx.avals_in[0], axes)], _lowering, x,
+                               axes=axes, axis_size=axis_size, algorithm=algorithm,
+                               unreduced=False, site=site)
   with axes_lib.user_op("psum"):
     # Groups spanning processes: inside with jax_hoccl, across with jax.lax (across_processes).
     across = across_processes.lowering_for("psum", ctx, x, axes=axes)
     if across is not None:
       return across
     return ji.lower_fun(_impl, multiple_results=False)(
-        ctx, x, axes=axes, axis_size=axis_size, algorithm=algorithm, site=site)
+        ctx, x, axes=axes, axis_size=axis_size, algorithm=algorithm, unreduced=False,
+        site=site)
 
 
 psum_p.def_abstract_eval(_abstract_eval)
@@ -134,11 +144,17 @@ def psum(x, axis_name, *, axis_index_groups=None):
     return jax.lax.psum(x, axis_name)
 
   def prepare(leaf):
-    return common.ensure_varying(common.summable(leaf, "psum"), axes)
+    leaf = common.summable(leaf, "psum")
+    if common.input_state(leaf, axes, "psum") == "unreduced":
+      common.check_unreduced_kind(jax.typeof(leaf), axes, "psum", "sum")
+      return leaf
+    return common.ensure_varying(leaf, axes, "psum")
 
   def one(leaf):
     algo = choose_algorithm(leaf.size * leaf.dtype.itemsize, n)
-    return psum_p.bind(leaf, axes=axes, axis_size=n, algorithm=algo, site=axes_lib.new_site())
+    unreduced = common.input_state(leaf, axes, "psum") == "unreduced"
+    return psum_p.bind(leaf, axes=axes, axis_size=n, algorithm=algo, unreduced=unreduced,
+                       site=axes_lib.new_site())
 
   return buckets.elementwise(x, prepare, one)
 

@@ -3,7 +3,9 @@
 Composition (docs/design.md, "Collectives on the three movers"): the all_to_all mover delivers the n blocks destined for me, then XLA
 sums them (a fusion; bf16/f16 accumulate in f32). `hoccl_reduce_scatter` is the stacked form
 x[n, ...] -> [...]; its own primitive so that its transpose is the all_gather mover (moving
-n times fewer bytes than transposing the all_to_all would).
+n times fewer bytes than transposing the all_to_all would). With unreduced=True its input
+is typed unreduced over the axes (jax.lax's psum_scatter of an unreduced value: the output
+varying over them), transposed to all_gather(..., to="reduced").
 """
 from __future__ import annotations
 
@@ -19,8 +21,13 @@ from jax_hoccl._src.ops.all_to_all import exchange_stacked
 reduce_scatter_p = ji.Primitive("hoccl_reduce_scatter")
 
 
-def _abstract_eval(x, *, axes, axis_size, site):
+def _abstract_eval(x, *, axes, axis_size, unreduced, site):
   vma = ji.varying_axes(x)
+  if unreduced:  # jax.lax's unreduced_psum_scatter
+    if not x.shape or x.shape[0] != axis_size:
+      raise ValueError(f"jax_hoccl psum_scatter: leading dim must be {axis_size}, got {x.shape}")
+    out = common.unreduced_result_type(x, axes, "psum_scatter", "sum", shape=x.shape[1:])
+    return ji.with_type(out, out.shape, vma | set(axes))
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl psum_scatter: input must be varying over {axes}, got {set(vma)}")
   if not x.shape or x.shape[0] != axis_size:
@@ -28,14 +35,14 @@ def _abstract_eval(x, *, axes, axis_size, site):
   return ji.with_type(x, x.shape[1:], vma, ji.spec_of(x)[1:])
 
 
-def _impl(x, *, axes, axis_size, site):
+def _impl(x, *, axes, axis_size, unreduced, site):
   got = exchange_stacked(x, axes, axis_size, skip_own=True)  # got[j]: rank j's block for me
   own = jax.lax.dynamic_index_in_dim(x, common.rank(axes), axis=0, keepdims=False)
   return common.sum_leading_with_own(got, own, axes)
 
 
-def _transpose(ct, x, *, axes, axis_size, site):
-  return [gather_stacked(ct, axes, axis_size)]
+def _transpose(ct, x, *, axes, axis_size, unreduced, site):
+  return [gather_stacked(ct, axes, axis_size, reduced=unreduced)]
 
 
 def _batch(args, dims, **params):
@@ -45,13 +52,16 @@ def _batch(args, dims, **params):
   return reduce_scatter_p.bind(x, **params), d - 1
 
 
-def _lowering(ctx, x, *, axes, axis_size, site):
+def _lowering(ctx, x, *, axes, axis_size, unreduced, site):
+  if unreduced:  # summed by the code for a varying input (the same bytes)
+    return ji.lower_with_avals(ctx, [common.as_varying(ctx.avals_in[0], axes)], _lowering, x,
+                               axes=axes, axis_size=axis_size, unreduced=False, site=site)
   with axes_lib.user_op("psum_scatter"):
     across = across_processes.lowering_for("reduce_scatter", ctx, x, axes=axes)
     if across is not None:
       return across
     return ji.lower_fun(_impl, multiple_results=False)(ctx, x, axes=axes, axis_size=axis_size,
-                                                        site=site)
+                                                        unreduced=False, site=site)
 
 
 reduce_scatter_p.def_abstract_eval(_abstract_eval)
@@ -59,8 +69,10 @@ ji.register_lowering(reduce_scatter_p, _lowering)
 ji.deflinear2(reduce_scatter_p, _transpose)
 
 
-def _all_gather_transpose(ct, x, *, axes, axis_size, invariant, skip_own, site):
+def _all_gather_transpose(ct, x, *, axes, axis_size, invariant, reduced, skip_own, site):
   assert not skip_own, "skip_own is for psum's lowering only, never differentiated"
+  if reduced:  # the cotangent of a reduced value is unreduced: sum it, as jax.lax does
+    return [reduce_scatter_stacked(ct, axes, axis_size, unreduced=True)]
   if invariant and ji.check_vma_enabled():
     # The cotangent of an invariant output is the same on every rank: take my block.
     rank = jax.lax.axis_index(common.axis_name_arg(axes))
@@ -73,10 +85,10 @@ ji.deflinear2(all_gather_p, _all_gather_transpose)
 ji.primitive_batchers[reduce_scatter_p] = _batch
 
 
-def reduce_scatter_stacked(x, axes, axis_size):
+def reduce_scatter_stacked(x, axes, axis_size, unreduced=False):
   # `site` only makes each bind distinct, so lowerings are not shared between call sites.
   return reduce_scatter_p.bind(x, axes=tuple(axes), axis_size=int(axis_size),
-                               site=axes_lib.new_site())
+                               unreduced=bool(unreduced), site=axes_lib.new_site())
 
 
 def scatter_blocks(x, axes, n, scatter_dimension, tiled, op):
@@ -86,8 +98,11 @@ def scatter_blocks(x, axes, n, scatter_dimension, tiled, op):
   if x.ndim == 0:
     raise ValueError(f"jax_hoccl.{op}: input must have rank >= 1.")
   d = common.canonical_axis(scatter_dimension, x.ndim, op, "scatter_dimension")
-  return common.rank_blocks(common.ensure_varying(x, axes), d, n, tiled, axes, op,
-                            "scatter_dimension")
+  if common.input_state(x, axes, op) == "unreduced":
+    common.check_unreduced_kind(jax.typeof(x), axes, op, "sum")
+  else:
+    x = common.ensure_varying(x, axes, op)
+  return common.rank_blocks(x, d, n, tiled, axes, op, "scatter_dimension")
 
 
 def scatter_result(y, scatter_dimension, tiled):
@@ -109,7 +124,8 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
   leaves, tree = jax.tree.flatten(x)
   blocks = [scatter_blocks(leaf, axes, n, scatter_dimension, tiled, "psum_scatter")
             for leaf in leaves]
-  scatter = lambda b: reduce_scatter_stacked(b, axes, n)  # noqa: E731
+  scatter = lambda b: reduce_scatter_stacked(  # noqa: E731
+      b, axes, n, unreduced=common.input_state(b, axes, "psum_scatter") == "unreduced")
   out = buckets.combined(
       blocks, lambda b: finish(scatter(b)), pack=lambda b: b.reshape(n, -1), exchange=scatter,
       unpack=lambda part, b: finish(part.reshape(b.shape[1:])))
