@@ -292,60 +292,102 @@ ffi::Error AnnouncedGatherStartCuda(cudaStream_t stream, int32_t device, ffi::An
                    site, true, false, false, &announce);
 }
 
-// The reduce-scatter ring of matmul_reduce_scatter on the flagged GEMM (fused/
-// gemm_reduce_scatter.py). Outputs: send [(n-1) R, N] (the GEMM's partial sums, written in
-// place later), recv [(n-1) R, N] (rank r-1's partial sums, which my GEMM adds), gemm_flags
-// (int32, one per band of `band_bytes` of send, raised by the GEMM to `flag_target`), ready
-// (uint64, one per band of recv), token. Zeroes both flag arrays on XLA's stream, then on
-// the start's stream for each band in order: wait until my GEMM stored it, pass it to rank
-// r+1 (a ppermute of one band, copy engines only), announce my received band to my GEMM.
+// The reduce-scatter ring walked by one flagged GEMM (fused/gemm_ring.py): matmul_reduce_scatter,
+// and with `gather` matmul_psum. Outputs: send [(n-1) R, N] (the GEMM's partial sums, written
+// in place later), recv [(n-1) R, N] (rank r-1's partial sums, which my GEMM adds), gemm_flags
+// (int32, one per band of `band_bytes` of the GEMM's walk, raised to `flag_target`), ready
+// (uint64, one per band of recv); with gather, out [n R, N] (my summed block is written by the
+// GEMM into my slot, the others land from the peers); the token last. Zeroes both flag arrays
+// on XLA's stream; then on the start's stream, in order: for each band of send, wait until my
+// GEMM stored it and pass it to rank r+1 (a one-band ppermute, copy engines only), announcing
+// it there; with gather, for each band of my summed block, wait for it and send it to every
+// peer's slot (n-1 one-band ppermutes).
 ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer /*x*/,
-                             ffi::Result<ffi::AnyBuffer> send, ffi::Result<ffi::AnyBuffer> recv,
-                             ffi::Result<ffi::AnyBuffer> gemm_flags,
-                             ffi::Result<ffi::AnyBuffer> ready, ffi::Result<ffi::AnyBuffer>,
-                             ffi::Span<const int64_t> groups, int64_t group_size,
-                             int64_t band_bytes, int64_t flag_target, int64_t stream_index,
-                             int64_t site) {
+                             ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                             int64_t group_size, int64_t band_bytes, int64_t flag_target,
+                             int64_t gather, int64_t stream_index, int64_t site) {
   HostTimer timer("start");
-  const size_t bytes = send->size_bytes();
-  if (band_bytes <= 0 || bytes % static_cast<size_t>(band_bytes) || recv->size_bytes() != bytes)
-    return ffi::Error::InvalidArgument("jax_hoccl matmul_reduce_scatter ring: bands of " +
-                                       std::to_string(band_bytes) + " bytes in " +
-                                       std::to_string(bytes));
-  const size_t bands = bytes / static_cast<size_t>(band_bytes);
-  if (gemm_flags->size_bytes() < bands * sizeof(int32_t) || ready->size_bytes() < bands * sizeof(uint64_t))
-    return ffi::Error::InvalidArgument("jax_hoccl matmul_reduce_scatter ring: too few flags");
+  const char* op = gather ? "jax_hoccl matmul_psum ring: " : "jax_hoccl matmul_reduce_scatter ring: ";
+  auto send = rets.get<ffi::AnyBuffer>(0), recv = rets.get<ffi::AnyBuffer>(1);
+  auto gemm_flags = rets.get<ffi::AnyBuffer>(2), ready = rets.get<ffi::AnyBuffer>(3);
+  auto out = rets.get<ffi::AnyBuffer>(4);
+  if (send.has_error() || recv.has_error() || gemm_flags.has_error() || ready.has_error() ||
+      out.has_error())
+    return ffi::Error::InvalidArgument(std::string(op) + "missing outputs");
+  const size_t bytes = (*send)->size_bytes();
+  const size_t n = static_cast<size_t>(group_size);
+  if (band_bytes <= 0 || n < 2 || bytes % (n - 1) || (bytes / (n - 1)) % band_bytes ||
+      (*recv)->size_bytes() != bytes || (gather && (*out)->size_bytes() != bytes / (n - 1) * n))
+    return ffi::Error::InvalidArgument(std::string(op) + "bands of " + std::to_string(band_bytes) +
+                                       " bytes in " + std::to_string(bytes));
+  const size_t block_bytes = bytes / (n - 1), bands = bytes / band_bytes;
+  const size_t block_bands = block_bytes / band_bytes;
+  if ((*gemm_flags)->size_bytes() < (bands + (gather ? block_bands : 0)) * sizeof(int32_t) ||
+      (*ready)->size_bytes() < bands * sizeof(uint64_t))
+    return ffi::Error::InvalidArgument(std::string(op) + "too few flags");
   const DriverApi& api = GetDriverApi();
   if (!api.wait_value32)
-    return ffi::Error(ffi::ErrorCode::kUnavailable, "jax_hoccl matmul_reduce_scatter: the CUDA "
-                      "driver has no cuStreamWaitValue32");
+    return ffi::Error(ffi::ErrorCode::kUnavailable,
+                      std::string(op) + "the CUDA driver has no cuStreamWaitValue32");
   cudaError_t e;
-  if ((e = cudaMemsetAsync(gemm_flags->untyped_data(), 0, gemm_flags->size_bytes(), xla_stream)) != cudaSuccess ||
-      (e = cudaMemsetAsync(ready->untyped_data(), 0, ready->size_bytes(), xla_stream)) != cudaSuccess)
+  if ((e = cudaMemsetAsync((*gemm_flags)->untyped_data(), 0, (*gemm_flags)->size_bytes(),
+                           xla_stream)) != cudaSuccess ||
+      (e = cudaMemsetAsync((*ready)->untyped_data(), 0, (*ready)->size_bytes(), xla_stream)) !=
+          cudaSuccess)
     return CudaFail("cudaMemsetAsync", e);
   AsyncState& a = AsyncStateFor(device);
   auto stream = StartStream(a, xla_stream, stream_index);
   if (stream.has_error()) return stream.error();
-  std::vector<int64_t> to_next(static_cast<size_t>(group_size));
-  for (int64_t src = 0; src < group_size; ++src) to_next[src] = (src + 1) % group_size;
-  char* send_at = static_cast<char*>(send->untyped_data());
-  char* recv_at = static_cast<char*>(recv->untyped_data());
-  auto* flags = static_cast<int32_t*>(gemm_flags->untyped_data());
-  auto* announced = static_cast<uint64_t*>(ready->untyped_data());
-  for (size_t b = 0; b < bands; ++b) {
+  auto* flags = static_cast<int32_t*>((*gemm_flags)->untyped_data());
+  auto gate = [&](size_t flag) -> ffi::Error {  // my GEMM stored band `flag` of its walk
     CUresult r = api.wait_value32(reinterpret_cast<CUstream>(stream->first),
-                                  reinterpret_cast<CUdeviceptr>(flags + b),
+                                  reinterpret_cast<CUdeviceptr>(flags + flag),
                                   static_cast<cuuint32_t>(flag_target), CU_STREAM_WAIT_VALUE_GEQ);
     if (r != CUDA_SUCCESS)
-      return ffi::Error::Internal("jax_hoccl matmul_reduce_scatter: " +
-                                  api.Describe("cuStreamWaitValue32", r));
-    Announce announce{announced + b, static_cast<size_t>(band_bytes)};
-    ffi::Error err = EnqueueExchange(
-        OpKind::kPermute, stream->first, stream->second, device, send_at + b * band_bytes,
-        band_bytes, recv_at + b * band_bytes, band_bytes, groups, group_size,
-        ffi::Span<const int64_t>(to_next.data(), to_next.size()), site, false, false, false,
-        &announce);
+      return ffi::Error::Internal(std::string(op) + api.Describe("cuStreamWaitValue32", r));
+    return ffi::Error::Success();
+  };
+  auto shift = [&](size_t k) {  // permute_dst of a ppermute to rank r + k
+    std::vector<int64_t> dst(n);
+    for (size_t src = 0; src < n; ++src) dst[src] = static_cast<int64_t>((src + k) % n);
+    return dst;
+  };
+  const std::vector<int64_t> to_next = shift(1);
+  const ffi::Span<const int64_t> next(to_next.data(), to_next.size());
+  char* send_at = static_cast<char*>((*send)->untyped_data());
+  char* recv_at = static_cast<char*>((*recv)->untyped_data());
+  auto* announced = static_cast<uint64_t*>((*ready)->untyped_data());
+  for (size_t b = 0; b < bands; ++b) {
+    ffi::Error err = gate(b);
     if (!err.success()) return err;
+    Announce announce{announced + b, static_cast<size_t>(band_bytes)};
+    err = EnqueueExchange(OpKind::kPermute, stream->first, stream->second, device,
+                          send_at + b * band_bytes, band_bytes, recv_at + b * band_bytes,
+                          band_bytes, groups, group_size, next, site, false, false, false,
+                          &announce);
+    if (!err.success()) return err;
+  }
+  if (gather) {
+    OpSpec spec;  // only for my rank
+    std::vector<int64_t> ids;
+    ffi::Error err = DecodeOp(OpKind::kPermute, GlobalDeviceId(device), band_bytes, band_bytes,
+                              groups, group_size, next, false, &spec, &ids);
+    if (!err.success()) return err;
+    const size_t r = static_cast<size_t>(spec.rank);
+    char* out_at = static_cast<char*>((*out)->untyped_data());
+    for (size_t b = 0; b < block_bands; ++b) {
+      if (!(err = gate(bands + b)).success()) return err;
+      for (size_t k = 1; k < n; ++k) {  // my band to rank r + k; rank r - k's into its slot
+        const std::vector<int64_t> dst = shift(k);
+        err = EnqueueExchange(OpKind::kPermute, stream->first, stream->second, device,
+                              out_at + r * block_bytes + b * band_bytes, band_bytes,
+                              out_at + ((r + n - k) % n) * block_bytes + b * band_bytes,
+                              band_bytes, groups, group_size,
+                              ffi::Span<const int64_t>(dst.data(), dst.size()), site, false,
+                              false, false, nullptr);
+        if (!err.success()) return err;
+      }
+    }
   }
   return FinishStart(a, stream->first, site);
 }
@@ -431,15 +473,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kGemmRingStartCuda, GemmRingStartCuda,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
                                   .Attr<ffi::Span<const int64_t>>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("band_bytes")
                                   .Attr<int64_t>("flag_target")
+                                  .Attr<int64_t>("gather")
                                   .Attr<int64_t>("stream")
                                   .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kDoneCuda, DoneCuda,

@@ -66,6 +66,8 @@ def parse_args(argv):
   ap.add_argument("--no-interference", action="store_true", help="skip the GEMM-beside-op runs")
   ap.add_argument("--no-fused", action="store_true")
   ap.add_argument("--fused-only", action="store_true", help="only the fused-op section")
+  ap.add_argument("--gemm-only", action="store_true",
+                  help="only the flagged GEMM against XLA's dot (one Hopper GPU is enough)")
   ap.add_argument("--processes", action="store_true",
                   help="host time per call across processes against inside one")
   ap.add_argument("--out", default="benchmarks/results", help="folder of the results JSON")
@@ -138,7 +140,15 @@ def main(argv=None) -> int:
       machine=f"{socket.gethostname()} ({C.machine_name()})", gpus=len(devices) if on_gpu else 0,
       devices=[str(d.device_kind) for d in devices], jax=jax.__version__,
       date=datetime.date.today().isoformat(), commit=_commit(), python=platform.python_version(),
-      dtype=dtype.name, collectives=[], interference=[], fused=[], device_latency=[])
+      dtype=dtype.name, collectives=[], interference=[], fused=[], device_latency=[], gemm=[],
+      flag_latency=[])
+  if on_gpu:
+    from jax_hoccl.bench.gemm import bench_flag_latency, bench_gemm
+    print("== flagged GEMM vs XLA's dot", flush=True)
+    result["gemm"] = bench_gemm()
+    result["flag_latency"] = bench_flag_latency()
+  if a.gemm_only:
+    a.fused_only, a.no_fused = True, True
   if not a.fused_only:
     progress = Progress(len(sizes) * len(ops) * len(C.IMPLS))
     result["collectives"] = C.bench_collectives(mesh, sizes, a.repeats, dtype, ops, progress)
@@ -155,7 +165,8 @@ def main(argv=None) -> int:
     result["fused"] = bench_fused(mesh, quick=a.quick or not on_gpu)
   report.validate(result)
   os.makedirs(a.out, exist_ok=True)
-  suffix = "-fused" if a.fused_only else ""  # a fused-only run keeps the full run's file
+  # a partial run keeps the full run's file
+  suffix = "-gemm" if a.gemm_only else "-fused" if a.fused_only else ""
   path = os.path.join(a.out, f"{result['date']}-{C.machine_name()}{suffix}.json")
   with open(path, "w") as f:
     json.dump(result, f, indent=1)

@@ -13,6 +13,8 @@ SECTIONS = {
     "interference": {"op": str, "impl": str, "gemm_ratio": float},
     "device_latency": {"op": str, "impl": str, "bytes_per_device": int, "device_time_us": float},
     "fused": {"op": str, "impl": str, "shape": str, "time_ms": float, "gemm_only_ms": float},
+    "gemm": {"impl": str, "m": int, "k": int, "n": int, "time_us": float},
+    "flag_latency": {"what": str, "time_us": float},
 }
 # (Fused rows since 2026-11-30 also carry "ratio", the median over interleaved rounds;
 # fused_ratio falls back to the ratio of the medians for older files.)
@@ -73,6 +75,12 @@ def table(result) -> str:
     lines.append("device time per op, host hidden (us, hoccl/lax): " + "  ".join(
         f"{op}@{fmt_bytes(b)}={lat[(op, 'jax_hoccl', b)]:.1f}/{lat.get((op, 'jax.lax', b), 0):.1f}"
         for (op, impl, b) in lat if impl == "jax_hoccl"))
+  for r in result.get("gemm", []):
+    if r["impl"] != "xla":
+      lines.append(f"gemm {r['m']}x{r['k']}x{r['n']} {r['impl']}: {r['time_us']:.1f} us, "
+                   f"x{r.get('speed_vs_xla', 0):.3f} of XLA's dot speed")
+  for r in result.get("flag_latency", []):
+    lines.append(f"flag latency: {r['what']}: {r['time_us']:.1f} us")
   for r in result.get("fused", []):
     lines.append(f"fused {r['op']:22s} {r['impl']:28s} x{fused_ratio(r):.2f} of GEMM alone  "
                  f"{r['time_ms']:8.3f} ms ({r['shape']})")

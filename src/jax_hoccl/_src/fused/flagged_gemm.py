@@ -6,8 +6,8 @@ in. The fused ops (all_gather_matmul, matmul_reduce_scatter) are walks of it.
   block's rows of `a`, `c` and the output taken from any operand's block, fixed or chosen by
   this rank (block + rank) % blocks, so one kernel serves every rank of a ring.
 - Producer flags: once every tile of `flag_rows` rows of a block with `flag` is stored (the TMA
-  stores completed, then a GPU-scope release), flags[those rows // flag_rows] has reached
-  `flag_target(...)`. A copy-engine stream that waits on it with `cuStreamWaitValue32(GEQ)`
+  stores completed, then a GPU-scope release), flags[walk row // flag_rows] has reached
+  `flag_target(...)` (walk rows: block j's rows are j * R ...). A copy-engine stream that waits on it with `cuStreamWaitValue32(GEQ)`
   may copy those rows while the kernel works on later ones.
 - Consumer flags: a tile of a block with `wait` waits (system-scope acquire) until the low word
   of ready[2 * (row // ready_rows)] (uint64 flags, written by stream memory operations after
@@ -243,10 +243,14 @@ def _kernel_body(lay: _Layout, *refs):
       i = lax.rem(mi, block_tiles)
       cols = pl.ds(ni * cta_n + wg * TILE_N, TILE_N)   # this warpgroup's half (compute wgs)
       w_cols = w_gmem.at[:, pl.ds(ni * cta_n, cta_n)]
-      flag = jnp.int32(-1)
-      for j, blk in enumerate(lay.walk):
-        flag = jnp.where(mi // block_tiles == j,
-                         row_of(blk.out, i) // max(lay.flag_rows, 1) if blk.flag else -1, flag)
+      # flags count the walk's rows (rank-independent, one array for every flagged block)
+      flag = (mi * TILE_M) // max(lay.flag_rows, 1)
+      if not all(blk.flag for blk in lay.walk):
+        flagged = jnp.bool_(False)
+        for j, blk in enumerate(lay.walk):
+          if blk.flag:
+            flagged = flagged | (mi // block_tiles == j)
+        flag = jnp.where(flagged, flag, -1)
 
       def run_block(blk: WalkBlock):
         out_rows = pl.ds(row_of(blk.out, i), TILE_M)
@@ -315,8 +319,9 @@ def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
   the kernel's own result (Rows.ref RESULT), or None. Returns the result, or a token (int32
   [128]) when there is none: every later reader of an operand written in place (and of
   `flags`) must depend on it. rank: int32 [1], for Rows.by_rank. ready: int32 [2 * flags]
-  (uint64 flags) per ready_rows rows of the operands waited for. flags: int32 [rows // flag_rows]
-  of the operand(s) written with `flag`, zero before the kernel."""
+  (uint64 flags) per ready_rows rows of the operands waited for. flags: int32
+  [len(walk) * rows // flag_rows], per flag_rows rows of the walk (those of blocks with
+  `flag` are raised), zero before the kernel."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   k, n = w.shape

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src.fused import gemm_ring as flagged
 from jax_hoccl._src.fused import ring
 from jax_hoccl._src.fused.batch_as_rows import batch_as_rows
 from jax_hoccl._src.fused.rows_matmul import runs_on_cublaslt
@@ -41,6 +42,9 @@ def multiply_and_sum(x, w, axes, n, chunks):
     return x @ w
   if chunks == 1 or m % n:
     return _one_shot_psum(x, w, axes)
+  x2 = x.reshape(-1, x.shape[-1])
+  if chunks is None and flagged.applies(x2, w, n):  # one flagged GEMM: ring, then gathers
+    return flagged.gemm_psum(x2, w, axes, n).reshape(*x.shape[:-1], w.shape[1])
   inner = int(np.prod(x.shape[1:-1], dtype=np.int64))  # rows of x2 per row of x
   row_bytes = inner * w.shape[1] * x.dtype.itemsize
   pieces = ring.row_pieces(m // n, row_bytes, chunks, "matmul_psum")

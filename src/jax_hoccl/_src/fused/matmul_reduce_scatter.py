@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
-from jax_hoccl._src.fused import gemm_reduce_scatter as flagged
+from jax_hoccl._src.fused import gemm_ring as flagged
 from jax_hoccl._src.fused import pipeline, ring
 from jax_hoccl._src.fused.rows_matmul import runs_on_cublaslt
 from jax_hoccl._src.fused.cotangent import cotangent_like

@@ -1,0 +1,132 @@
+"""The reduce-scatter ring walked by one flagged GEMM (fused/flagged_gemm.py):
+matmul_reduce_scatter's forward pass on Hopper GPUs, and with the all-gather of every summed
+band, matmul_psum's.
+
+Walk block j (R = M/n rows) of rank r is the partial sum of rank (r - 1 - j)'s block of the
+output: x's rows of that block times w, plus (j >= 1) the partial sum rank r-1 computed at its
+block j-1 for the same rows, which the kernel adds in its epilogue once its band has landed.
+Blocks j < n-1 go to `send`, band by band, each raising its flag; the copy engines (start)
+pass every band to rank r+1's `recv` as soon as its flag is up, and announce it there. Block
+n-1 is my own block, the sum of all n partials: matmul_reduce_scatter's result. matmul_psum
+writes it into my slot of the output instead, raising flags too, and the copy engines send
+each of its bands to every peer as it is stored: only the last band's all-gather follows the
+GEMM.
+
+  start   zeroes the GEMM's flags and the arrival flags, then the bands in order: wait for my
+          GEMM's flag, one-band ppermutes (copy engines) (cc/handlers_cuda.cc:
+          GemmRingStartCuda);
+  GEMM    one kernel, walk(n, gather);
+  done    ordered after the GEMM (and the gathers): rank r+1 has read all of `send` before XLA
+          may reuse it.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import jax_internals as ji
+from jax_hoccl._src.ffi_targets import ffi_lower
+from jax_hoccl._src.fused import flagged_gemm as fg
+from jax_hoccl._src.ops import async_collectives as ac
+from jax_hoccl._src.ops import common
+from jax_hoccl._src.ops.async_collectives import Pending, start_attrs
+
+# Bands of at most this many per ring step: each is one exchange with its own host
+# rendezvous (~10-20 us of host time), and the first band's transfer is what the next step
+# waits for.
+MAX_BANDS_PER_STEP = 8
+MIN_BAND_ROWS = 256
+
+gemm_ring_start_p = ji.Primitive("hoccl_gemm_ring_start")
+gemm_ring_start_p.multiple_results = True
+
+
+def _abstract_eval(like, *, axes, axis_size, rows, band_rows, dtype, n_out, gather, site):
+  vma = ji.varying_axes(like)
+  n = axis_size
+  buf = ji.with_type(like, ((n - 1) * rows, n_out), vma).update(dtype=np.dtype(dtype))
+  bands = (n - 1) * rows // band_rows
+  i32 = dict(dtype=np.dtype(np.int32), weak_type=False)
+  outs = [buf, buf, ji.with_type(like, (n * rows // band_rows,), vma).update(**i32),
+          ji.with_type(like, (2 * bands,), vma).update(**i32)]
+  if gather:  # the same on every rank once gathered: invariant over the axes
+    outs.append(ji.with_type(like, (n * rows, n_out), vma - set(axes)).update(dtype=np.dtype(dtype)))
+  return outs + [ji.with_type(like, (), vma).update(**i32)]
+
+
+def _lowering(ctx, like, *, axes, axis_size, rows, band_rows, dtype, n_out, gather, site):
+  # x is an operand only for the order (and the type): the kernel reads it, not the start
+  op = "matmul_psum" if gather else "matmul_reduce_scatter"
+  return ffi_lower("hoccl_gemm_ring_start", op, ctx, like, **start_attrs(ctx, axes, op, site),
+                   band_bytes=np.int64(band_rows * n_out * np.dtype(dtype).itemsize),
+                   flag_target=np.int64(fg.flag_target(n_out, band_rows)),
+                   gather=np.int64(gather))
+
+
+gemm_ring_start_p.def_abstract_eval(_abstract_eval)
+ji.register_lowering(gemm_ring_start_p, _lowering, platform="cuda")
+
+
+def band_rows(rows: int) -> int | None:
+  """Rows per band for blocks of `rows` rows, or None."""
+  for b in range(max(MIN_BAND_ROWS, rows // MAX_BANDS_PER_STEP), rows + 1, fg.TILE_M):
+    if rows % b == 0:
+      return b
+  return None
+
+
+def applies(x, w, n) -> bool:
+  """Whether the flagged GEMM takes the ring for x [M, K] (per rank) @ w."""
+  m, k = x.shape
+  return (n > 1 and m % n == 0 and band_rows(m // n) is not None
+          and fg.unsupported_reason(m, k, w.shape[1], x.dtype, None, w.dtype) is None)
+
+
+def walk(n, gather=False):
+  """Operands: 0 x, 1 send, 2 recv[, 3 out]."""
+  blocks = []
+  for j in range(n):
+    a = fg.Rows(0, (-1 - j) % n, by_rank=True)
+    last = j == n - 1
+    out = (fg.Rows(1, j) if not last else fg.Rows(3, 0, by_rank=True) if gather
+           else fg.Rows(fg.RESULT, 0))
+    c = fg.Rows(2, j - 1) if j >= 1 else None
+    blocks.append(fg.WalkBlock(a=a, out=out, c=c, wait="c" if c else None,
+                               flag=not last or gather))
+  return blocks
+
+
+def _ring(x, w, axes, n, gather):
+  op = "matmul_psum" if gather else "matmul_reduce_scatter"
+  x = common.ensure_varying(x, axes, op)
+  rows, nout = x.shape[0] // n, w.shape[1]
+  band = band_rows(rows)
+  site = axes_lib.new_site()
+  *bufs, token = gemm_ring_start_p.bind(
+      x, axes=tuple(axes), axis_size=int(n), rows=rows, band_rows=band, dtype=np.dtype(x.dtype),
+      n_out=nout, gather=bool(gather), site=site)
+  send, recv, flags, ready = bufs[:4]
+  rank = common.rank(axes).astype(np.int32).reshape(1)
+  operands = [x, send, recv] + bufs[4:]
+  kernel_out = fg.walk_matmul(w, operands, walk(n, gather), rows,
+                              result=None if gather else (rows, x.dtype), rank=rank, ready=ready,
+                              ready_rows=band, flags=flags, flag_rows=band)
+  if gather:  # the output, once the peers' summed blocks have landed in it
+    out, _ = ac.done(Pending(bufs[4], x, token, site, lambda b: b), kernel_out)
+    return out
+  # a Pallas kernel's result carries no varying type: it varies as its operands do
+  vma = ji.varying_axes(jax.typeof(x)) | ji.varying_axes(jax.typeof(w))
+  kernel_out = common.ensure_varying(kernel_out, tuple(vma), op)
+  _, out = ac.done(Pending(send, x, token, site, lambda b: b), kernel_out)  # after the GEMM
+  return out
+
+
+def gemm_reduce_scatter(x, w, axes, n):
+  """psum_scatter(x @ w, tiled) for 2-D x [M, K]; applies(x, w, n) must hold."""
+  return _ring(x, w, axes, n, gather=False)
+
+
+def gemm_psum(x, w, axes, n):
+  """psum(x @ w) for 2-D x [M, K], invariant over the axes; applies(x, w, n) must hold."""
+  return _ring(x, w, axes, n, gather=True)

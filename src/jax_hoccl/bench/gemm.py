@@ -1,0 +1,97 @@
+"""The flagged GEMM alone (fused/flagged_gemm.py, flags on) against XLA's dot on one Hopper GPU,
+and how soon a copy-engine stream waiting on a flag moves once the flag is written. The gemm
+section of `python -m jax_hoccl.bench`: rows {"impl", "m", "k", "n", "time_us"} (impl "xla" or
+"jax_hoccl_flagged") and {"what", "time_us"} in "flag_latency".
+
+Kernel times are CUPTI's (jax's Mosaic GPU profiler), median of 20 calls, in ROUNDS interleaved
+rounds (xla, flagged, xla, flagged, ...): H200 clocks drift over a minute of GEMMs, so the
+ratio of one round is what compares.
+"""
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+ROUNDS = 3
+CALLS = 20
+# (M, K, N), bf16: the fused ops' shapes at M = 4096 and 16384 (K = N = 8192) and matmul_psum's
+# per-rank GEMM on two GPUs (K = 4096)
+SHAPES = [(4096, 8192, 8192), (16384, 8192, 8192), (4096, 4096, 8192)]
+FLAG_ROWS = 1024
+
+
+def _kernel_us(f, *args):
+  from jax.experimental.mosaic.gpu import profiler
+  _, times = profiler.measure(f, iterations=CALLS)(*args)
+  return statistics.median(times) * 1e3
+
+
+def bench_gemm(shapes=SHAPES):
+  """Rows of the gemm section (empty where the flagged GEMM cannot run)."""
+  import jax
+  import jax.numpy as jnp
+  from jax_hoccl._src.fused import flagged_gemm as fg
+
+  rows = []
+  for m, k, n in shapes:
+    if fg.unsupported_reason(m, k, n, jnp.bfloat16):
+      continue
+    a = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
+    b = (jax.random.normal(jax.random.key(1), (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    out = jnp.zeros((m, n), jnp.bfloat16)
+    flags = jnp.zeros((m // FLAG_ROWS,), jnp.int32)
+    xla = jax.jit(lambda a, b: a @ b)
+    flagged = jax.jit(lambda a, b, o, f: fg.flagged_matmul(a, b, out=o, flags=f,
+                                                           flag_rows=FLAG_ROWS))
+    times = {"xla": [], "jax_hoccl_flagged": []}
+    for _ in range(ROUNDS):
+      times["xla"].append(_kernel_us(xla, a, b))
+      times["jax_hoccl_flagged"].append(_kernel_us(flagged, a, b, out, flags))
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - xla(a, b).astype(jnp.float32))))
+    if err > 0.05:
+      raise AssertionError(f"flagged GEMM {m}x{k}x{n} differs from XLA's dot by {err}")
+    ratios = [x / f for x, f in zip(times["xla"], times["jax_hoccl_flagged"])]
+    for impl, ts in times.items():
+      rows.append(dict(impl=impl, m=m, k=k, n=n, time_us=statistics.median(ts),
+                       **({"speed_vs_xla": statistics.median(ratios)}
+                          if impl != "xla" else {})))
+  return rows
+
+
+def bench_flag_latency(reps=50):
+  """[{"what", "time_us"}]: a stream's cuStreamWaitValue32 released by a cuStreamWriteValue32
+  on another stream, from an event just before the write to one just after the wait (median):
+  the latency between a raised flag and the start of the copy waiting on it."""
+  import jax.numpy as jnp
+  try:
+    from cuda.bindings import driver as cu
+  except ImportError:
+    return []
+
+  def ck(r):
+    err = r[0] if isinstance(r, tuple) else r
+    if int(err) != 0:
+      raise RuntimeError(f"CUDA driver error {err}")
+    return r[1] if isinstance(r, tuple) and len(r) == 2 else r
+
+  ck(cu.cuInit(0))
+  flags = jnp.zeros((2 * reps,), jnp.int32)
+  flags.block_until_ready()
+  base = flags.unsafe_buffer_pointer()
+  writer, waiter = ck(cu.cuStreamCreate(1)), ck(cu.cuStreamCreate(1))
+  ev = [(ck(cu.cuEventCreate(0)), ck(cu.cuEventCreate(0))) for _ in range(reps)]
+  gaps = []
+  for i, (before, released) in enumerate(ev):
+    flag = cu.CUdeviceptr(base + 8 * i)
+    ck(cu.cuStreamWaitValue32(waiter, flag, 1, cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
+    ck(cu.cuEventRecord(released, waiter))
+    ck(cu.cuEventRecord(before, writer))
+    ck(cu.cuStreamWriteValue32(writer, flag, 1, 0))
+    ck(cu.cuStreamSynchronize(waiter))
+    ck(cu.cuStreamSynchronize(writer))
+    gaps.append(ck(cu.cuEventElapsedTime(before, released)) * 1e3)
+  for s in (writer, waiter):
+    ck(cu.cuStreamDestroy(s))
+  return [dict(what="stream wait released by a flag write on another stream",
+               time_us=float(statistics.median(gaps)))]
