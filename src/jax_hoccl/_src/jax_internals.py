@@ -60,6 +60,11 @@ def swap_lowering(prim, rule):
   return old_rule, restore
 
 
+def is_static(dim) -> bool:
+  """Whether a dimension is a number, not a jax.export symbol."""
+  return bool(core.is_constant_dim(dim))
+
+
 def bound_axis(name) -> bool:
   """Whether `name` is an axis of the current trace: a shard_map mesh axis or a vmap one."""
   return bool(core.get_axis_env().axis_exists(name))

@@ -20,21 +20,23 @@ from jax_hoccl._src.ops import across_processes, buckets, common
 all_gather_p = ji.Primitive("hoccl_all_gather")
 
 
-def _abstract_eval(x, *, axes, axis_size, invariant, skip_own, site):
+def _abstract_eval(x, *, axes, axis_size, invariant, skip_own, site, groups):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl all_gather: input must be varying over {axes}, got {set(vma)}")
-  out_vma = vma - set(axes) if invariant else vma
+  # Over axis_index_groups each group gathers its own blocks: varying over the axes.
+  out_vma = vma - set(axes) if invariant and groups is None else vma
   return ji.with_type(x, (axis_size, *x.shape), out_vma)
 
 
-def _lowering(ctx, x, *, axes, axis_size, invariant, skip_own, site):
+def _lowering(ctx, x, *, axes, axis_size, invariant, skip_own, site, groups):
   # (Across processes every slot is written, my own too: a superset of skip_own's result.)
-  across = across_processes.lowering_for("all_gather", ctx, x, axes=axes, invariant=invariant)
+  across = across_processes.lowering_for("all_gather", ctx, x, axes=axes, invariant=invariant,
+                                         groups=groups)
   if across is not None:
     return across
   return ffi_lower("hoccl_all_gather", "all_gather", ctx, x, skip_own=np.int64(skip_own),
-                   **axes_lib.ffi_group_attrs(ctx, axes, "all_gather", site))
+                   **axes_lib.ffi_group_attrs(ctx, axes, "all_gather", site, groups))
 
 
 def _batch(args, dims, **params):
@@ -49,9 +51,11 @@ ji.register_lowering(all_gather_p, _lowering)
 ji.primitive_batchers[all_gather_p] = _batch
 
 
-def gather_stacked(x, axes, axis_size, invariant=False, skip_own=False):
+def gather_stacked(x, axes, axis_size, invariant=False, skip_own=False, groups=None):
+  """x -> [axis_size, *x.shape] over `axes`, or over my group of (even) axis_index_groups
+  (axis_size is then the group size)."""
   return all_gather_p.bind(x, axes=tuple(axes), axis_size=int(axis_size), invariant=invariant,
-                           skip_own=bool(skip_own), site=axes_lib.new_site())
+                           skip_own=bool(skip_own), site=axes_lib.new_site(), groups=groups)
 
 
 def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to="varying"):
@@ -65,9 +69,11 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
   if axes_lib.split_vmap_axes(axis_name)[0]:  # a vmap axis: jax.lax's (see axes.py)
     return jax.lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
                               tiled=tiled, to="invarying" if to == "invariant" else to)
-  axes, n = axes_lib.check_axes(axis_name, "all_gather", axis_index_groups)
+  axes, n = axes_lib.check_axes(axis_name, "all_gather")
+  groups = axes_lib.check_groups(axis_index_groups, n, "all_gather", even=True)
+  n = axes_lib.group_size(groups, n)
   if n == 1:  # nothing to exchange (a one-device axis): jax.lax's costs nothing
-    return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled,
+    return jax.lax.all_gather(x, axis_name, axis_index_groups=groups, axis=axis, tiled=tiled,
                               to="invarying" if to == "invariant" else to)
 
   invariant = to != "varying"
@@ -92,7 +98,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
 
   leaves, tree = jax.tree.flatten(x)
   leaves = [prepare(leaf) for leaf in leaves]
-  gather = lambda v: gather_stacked(v, axes, n, invariant=invariant)  # noqa: E731
+  gather = lambda v: gather_stacked(v, axes, n, invariant=invariant, groups=groups)  # noqa: E731
   out = buckets.combined(
       leaves, lambda leaf: place(gather(leaf), leaf), pack=lambda leaf: leaf.reshape(-1),
       exchange=gather, unpack=lambda part, leaf: place(part.reshape(n, *leaf.shape), leaf))

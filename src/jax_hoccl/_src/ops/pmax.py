@@ -20,22 +20,29 @@ from jax_hoccl._src.ops.all_gather import gather_stacked
 extremum_p = ji.Primitive("hoccl_extremum")
 
 
-def _abstract_eval(x, *, axes, axis_size, op, site):
+def _abstract_eval(x, *, axes, axis_size, op, site, groups):
+  if groups is not None:
+    return common.grouped_type(x, axes, groups, op)
   return common.reduced_type(x, axes, op)
 
 
-def _impl(x, *, axes, axis_size, op, site):
-  got = gather_stacked(x, axes, axis_size, invariant=True, skip_own=True)
-  return (jnp.max if op == "pmax" else jnp.min)(common.with_own(got, x, axes), axis=0)
+def _impl(x, *, axes, axis_size, op, site, groups):
+  if not axes_lib.groups_even(groups):
+    # Groups of unequal sizes: every block along the axes, reduced over my group's members.
+    every = gather_stacked(x, axes, axis_size)
+    return common.fold_my_group(every, axes, groups, jnp.maximum if op == "pmax" else jnp.minimum)
+  n = axes_lib.group_size(groups, axis_size)
+  got = gather_stacked(x, axes, n, invariant=True, skip_own=True, groups=groups)
+  return (jnp.max if op == "pmax" else jnp.min)(common.with_own(got, x, axes, groups), axis=0)
 
 
-def _lowering(ctx, x, *, axes, axis_size, op, site):
+def _lowering(ctx, x, *, axes, axis_size, op, site, groups):
   with axes_lib.user_op(op):
-    across = across_processes.lowering_for(op, ctx, x, axes=axes)
+    across = across_processes.lowering_for(op, ctx, x, axes=axes, groups=groups)
     if across is not None:
       return across
     return ji.lower_fun(_impl, multiple_results=False)(ctx, x, axes=axes, axis_size=axis_size,
-                                                        op=op, site=site)
+                                                        op=op, site=site, groups=groups)
 
 
 def _batch(args, dims, **params):
@@ -54,7 +61,8 @@ def _extremum(x, axis_name, axis_index_groups, op):
     x = getattr(jax.lax, op)(x, vmapped, axis_index_groups=axis_index_groups)
   if not axis_name:
     return x
-  axes, n = axes_lib.check_axes(axis_name, op, axis_index_groups)
+  axes, n = axes_lib.check_axes(axis_name, op)
+  groups = axes_lib.check_groups(axis_index_groups, n, op)
   if n == 1:  # nothing to exchange (a one-device axis): jax.lax's costs nothing
     return getattr(jax.lax, op)(x, axis_name)
 
@@ -66,7 +74,8 @@ def _extremum(x, axis_name, axis_index_groups, op):
     return common.ensure_varying(leaf, axes)
 
   def one(leaf):
-    return extremum_p.bind(leaf, axes=axes, axis_size=n, op=op, site=axes_lib.new_site())
+    return extremum_p.bind(leaf, axes=axes, axis_size=n, op=op, site=axes_lib.new_site(),
+                           groups=groups)
 
   return buckets.elementwise(x, prepare, one)
 
@@ -86,7 +95,7 @@ def _across_nodes(x, *, axes, local, cross, sizes, op, **_):
   on the local result."""
   if local:
     x = extremum_p.bind(x, axes=local, axis_size=across_processes.size_of(local, dict(sizes)),
-                        op=op, site=axes_lib.new_site())
+                        op=op, site=axes_lib.new_site(), groups=None)
   return (jax.lax.pmax if op == "pmax" else jax.lax.pmin)(x, cross)
 
 

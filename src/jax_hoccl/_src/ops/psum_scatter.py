@@ -19,7 +19,7 @@ from jax_hoccl._src.ops.all_to_all import exchange_stacked
 reduce_scatter_p = ji.Primitive("hoccl_reduce_scatter")
 
 
-def _abstract_eval(x, *, axes, axis_size, site):
+def _abstract_eval(x, *, axes, axis_size, site, groups):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl psum_scatter: input must be varying over {axes}, got {set(vma)}")
@@ -28,14 +28,15 @@ def _abstract_eval(x, *, axes, axis_size, site):
   return ji.with_type(x, x.shape[1:], vma)
 
 
-def _impl(x, *, axes, axis_size, site):
-  got = exchange_stacked(x, axes, axis_size, skip_own=True)  # got[j]: rank j's block for me
-  own = jax.lax.dynamic_index_in_dim(x, common.rank(axes), axis=0, keepdims=False)
-  return common.sum_leading_with_own(got, own, axes)
+def _impl(x, *, axes, axis_size, site, groups):
+  # got[j]: rank j's block for me
+  got = exchange_stacked(x, axes, axis_size, skip_own=True, groups=groups)
+  own = jax.lax.dynamic_index_in_dim(x, common.rank(axes, groups), axis=0, keepdims=False)
+  return common.sum_leading_with_own(got, own, axes, groups)
 
 
-def _transpose(ct, x, *, axes, axis_size, site):
-  return [gather_stacked(ct, axes, axis_size)]
+def _transpose(ct, x, *, axes, axis_size, site, groups):
+  return [gather_stacked(ct, axes, axis_size, groups=groups)]
 
 
 def _batch(args, dims, **params):
@@ -45,13 +46,13 @@ def _batch(args, dims, **params):
   return reduce_scatter_p.bind(x, **params), d - 1
 
 
-def _lowering(ctx, x, *, axes, axis_size, site):
+def _lowering(ctx, x, *, axes, axis_size, site, groups):
   with axes_lib.user_op("psum_scatter"):
-    across = across_processes.lowering_for("reduce_scatter", ctx, x, axes=axes)
+    across = across_processes.lowering_for("reduce_scatter", ctx, x, axes=axes, groups=groups)
     if across is not None:
       return across
     return ji.lower_fun(_impl, multiple_results=False)(ctx, x, axes=axes, axis_size=axis_size,
-                                                        site=site)
+                                                        site=site, groups=groups)
 
 
 reduce_scatter_p.def_abstract_eval(_abstract_eval)
@@ -59,13 +60,13 @@ ji.register_lowering(reduce_scatter_p, _lowering)
 ji.deflinear2(reduce_scatter_p, _transpose)
 
 
-def _all_gather_transpose(ct, x, *, axes, axis_size, invariant, skip_own, site):
+def _all_gather_transpose(ct, x, *, axes, axis_size, invariant, skip_own, site, groups):
   assert not skip_own, "skip_own is for psum's lowering only, never differentiated"
-  if invariant and ji.check_vma_enabled():
+  if invariant and ji.check_vma_enabled() and groups is None:
     # The cotangent of an invariant output is the same on every rank: take my block.
     rank = jax.lax.axis_index(common.axis_name_arg(axes))
     return [jax.lax.dynamic_index_in_dim(ct, rank, axis=0, keepdims=False)]
-  return [reduce_scatter_stacked(ct, axes, axis_size)]
+  return [reduce_scatter_stacked(ct, axes, axis_size, groups)]
 
 
 # all_gather <-> reduce-scatter transpose into each other; both rules live here.
@@ -73,10 +74,10 @@ ji.deflinear2(all_gather_p, _all_gather_transpose)
 ji.primitive_batchers[reduce_scatter_p] = _batch
 
 
-def reduce_scatter_stacked(x, axes, axis_size):
+def reduce_scatter_stacked(x, axes, axis_size, groups=None):
   # `site` only makes each bind distinct, so lowerings are not shared between call sites.
   return reduce_scatter_p.bind(x, axes=tuple(axes), axis_size=int(axis_size),
-                               site=axes_lib.new_site())
+                               site=axes_lib.new_site(), groups=groups)
 
 
 def scatter_blocks(x, axes, n, scatter_dimension, tiled, op):
@@ -101,15 +102,18 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
   if axes_lib.split_vmap_axes(axis_name)[0]:  # a vmap axis: jax.lax's (see axes.py)
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
                                 axis_index_groups=axis_index_groups, tiled=tiled)
-  axes, n = axes_lib.check_axes(axis_name, "psum_scatter", axis_index_groups)
+  axes, n = axes_lib.check_axes(axis_name, "psum_scatter")
+  groups = axes_lib.check_groups(axis_index_groups, n, "psum_scatter", even=True)
+  n = axes_lib.group_size(groups, n)
   if n == 1:  # nothing to exchange (a one-device axis): jax.lax's costs nothing
-    return jax.lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension, tiled=tiled)
+    return jax.lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
+                                axis_index_groups=groups, tiled=tiled)
   finish = lambda y: scatter_result(y, scatter_dimension, tiled)  # noqa: E731
 
   leaves, tree = jax.tree.flatten(x)
   blocks = [scatter_blocks(leaf, axes, n, scatter_dimension, tiled, "psum_scatter")
             for leaf in leaves]
-  scatter = lambda b: reduce_scatter_stacked(b, axes, n)  # noqa: E731
+  scatter = lambda b: reduce_scatter_stacked(b, axes, n, groups)  # noqa: E731
   out = buckets.combined(
       blocks, lambda b: finish(scatter(b)), pack=lambda b: b.reshape(n, -1), exchange=scatter,
       unpack=lambda part, b: finish(part.reshape(b.shape[1:])))
