@@ -74,12 +74,6 @@ def test_outside_shard_map(op):
     ALL_OPS[op](x, "x")
 
 
-@pytest.mark.parametrize("op", ["psum", "all_gather", "psum_scatter", "all_to_all"])
-def test_axis_index_groups_not_supported(op):
-  with pytest.raises(NotImplementedError, match="axis_index_groups"):
-    trace(lambda a: ALL_OPS[op](a, "x", axis_index_groups=[[0, 1, 2, 3], [4, 5, 6, 7]]))
-
-
 # ---------------------------------------------------------------------------------- sizes
 def test_psum_scatter_sizes():
   # tiled: the scatter dimension must divide by the group size (3 rows, 8 ranks)
