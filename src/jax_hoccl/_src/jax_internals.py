@@ -60,6 +60,12 @@ def swap_lowering(prim, rule):
   return old_rule, restore
 
 
+def ppermute_axis_order_checked() -> bool:
+  """jax.raise_on_ppermute_sort_diff: whether jax.lax.ppermute refuses axis names out of
+  mesh order (default True)."""
+  return bool(_config.raise_on_ppermute_sort_diff.value)
+
+
 def is_static(dim) -> bool:
   """Whether a dimension is a number, not a jax.export symbol."""
   return bool(core.is_constant_dim(dim))
