@@ -153,23 +153,44 @@ def group_table(mesh, axes, groups=None) -> np.ndarray:
 
 _sites = itertools.count(1)
 _user_ops: list[str] = []
+_shared: set[int] = set()  # sites shared by the branches of a cond (branches.py)
+_scopes: list = []  # per enclosing user_op: None, or [its shared site, sites made so far]
+_derived: dict[tuple[int, int], int] = {}  # (shared site, k) -> its k-th inner site
 
 
 @contextlib.contextmanager
-def user_op(name: str):
+def user_op(name: str, site: int | None = None):
   """Sites made inside (e.g. psum's lowering, which runs on all_gather) are reported in
-  errors as the op the user called."""
+  errors as the op the user called. When `site` (the op's own) is shared by cond branches,
+  the k-th site made inside is the same in every branch, and shared too."""
   _user_ops.append(name)
+  _scopes.append([site, 0] if site in _shared else None)
   try:
     yield
   finally:
+    _scopes.pop()
     _user_ops.pop()
+
+
+def share_site(site: int) -> int:
+  """Marks `site` as shared by alternative instructions (branches.py); returns it."""
+  _shared.add(site)
+  ffi_targets.share_site(site)
+  return site
 
 
 def new_site() -> int:
   """A fresh call-site id. Every collective a lowering emits carries one: XLA:CPU may run
   independent ops concurrently, in a different order per device, so the CPU engine pairs
   the ranks' calls by (site, n-th call from it), as XLA's own CPU collectives key by op id."""
+  scope = _scopes[-1] if _scopes else None
+  if scope is not None:  # inside an op whose site the branches of a cond share
+    key = (scope[0], scope[1])
+    scope[1] += 1
+    if key not in _derived:
+      _derived[key] = share_site(next(_sites))
+      ffi_targets.name_site(_derived[key], _user_ops[-1])
+    return _derived[key]
   site = next(_sites)
   if _user_ops:
     ffi_targets.name_site(site, _user_ops[-1])

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import branches
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
 from jax_hoccl._src.ops import across_processes, buckets, common
@@ -49,6 +50,7 @@ all_gather_p.def_abstract_eval(_abstract_eval)
 ji.register_lowering(all_gather_p, _lowering)
 # Its transpose, a reduce-scatter, is registered in psum_scatter.py (which imports this module).
 ji.primitive_batchers[all_gather_p] = _batch
+branches.register(all_gather_p)
 
 
 def gather_stacked(x, axes, axis_size, invariant=False, skip_own=False, groups=None):

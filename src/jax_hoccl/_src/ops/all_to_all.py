@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import branches
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
 from jax_hoccl._src.ops import across_processes, buckets, common
@@ -52,6 +53,7 @@ all_to_all_p.def_abstract_eval(_abstract_eval)
 ji.register_lowering(all_to_all_p, _lowering)
 ji.deflinear2(all_to_all_p, _transpose)
 ji.primitive_batchers[all_to_all_p] = _batch
+branches.register(all_to_all_p)
 
 
 def exchange_stacked(x, axes, axis_size, skip_own=False, groups=None):

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import branches
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ops import across_processes, buckets, common
 from jax_hoccl._src.ops.all_gather import gather_stacked
@@ -37,7 +38,7 @@ def _impl(x, *, axes, axis_size, op, site, groups):
 
 
 def _lowering(ctx, x, *, axes, axis_size, op, site, groups):
-  with axes_lib.user_op(op):
+  with axes_lib.user_op(op, site):
     across = across_processes.lowering_for(op, ctx, x, axes=axes, groups=groups)
     if across is not None:
       return across
@@ -53,6 +54,7 @@ def _batch(args, dims, **params):
 extremum_p.def_abstract_eval(_abstract_eval)
 ji.register_lowering(extremum_p, _lowering)
 ji.primitive_batchers[extremum_p] = _batch
+branches.register(extremum_p)
 
 
 def _extremum(x, axis_name, axis_index_groups, op):

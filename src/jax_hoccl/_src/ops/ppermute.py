@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import branches
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
 from jax_hoccl._src.ops import across_processes, buckets, common
@@ -46,6 +47,7 @@ ppermute_p.def_abstract_eval(_abstract_eval)
 ji.register_lowering(ppermute_p, _lowering)
 ji.deflinear2(ppermute_p, _transpose)
 ji.primitive_batchers[ppermute_p] = _batch
+branches.register(ppermute_p)
 
 
 def permute_dst(perm, axis_size: int) -> np.ndarray:

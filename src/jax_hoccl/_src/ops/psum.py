@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import branches
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ops import across_processes, buckets, common
 from jax_hoccl._src.ops.all_gather import gather_stacked
@@ -107,7 +108,7 @@ def _batch(args, dims, **params):
 
 
 def _lowering(ctx, x, *, axes, axis_size, algorithm, site, groups):
-  with axes_lib.user_op("psum"):
+  with axes_lib.user_op("psum", site):
     # Groups spanning processes: inside with jax_hoccl, across with jax.lax (across_processes).
     across = across_processes.lowering_for("psum", ctx, x, axes=axes, groups=groups)
     if across is not None:
@@ -120,6 +121,7 @@ psum_p.def_abstract_eval(_abstract_eval)
 ji.register_lowering(psum_p, _lowering)
 ji.deflinear2(psum_p, _transpose)
 ji.primitive_batchers[psum_p] = _batch
+branches.register(psum_p)
 
 
 def psum(x, axis_name, *, axis_index_groups=None):

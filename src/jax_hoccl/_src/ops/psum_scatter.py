@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import branches
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ops import across_processes, buckets, common
 from jax_hoccl._src.ops.all_gather import all_gather_p, gather_stacked
@@ -47,7 +48,7 @@ def _batch(args, dims, **params):
 
 
 def _lowering(ctx, x, *, axes, axis_size, site, groups):
-  with axes_lib.user_op("psum_scatter"):
+  with axes_lib.user_op("psum_scatter", site):
     across = across_processes.lowering_for("reduce_scatter", ctx, x, axes=axes, groups=groups)
     if across is not None:
       return across
@@ -72,6 +73,7 @@ def _all_gather_transpose(ct, x, *, axes, axis_size, invariant, skip_own, site, 
 # all_gather <-> reduce-scatter transpose into each other; both rules live here.
 ji.deflinear2(all_gather_p, _all_gather_transpose)
 ji.primitive_batchers[reduce_scatter_p] = _batch
+branches.register(reduce_scatter_p)
 
 
 def reduce_scatter_stacked(x, axes, axis_size, groups=None):
