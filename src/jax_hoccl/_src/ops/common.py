@@ -120,7 +120,7 @@ def rank(axes, groups=None):
   return jnp.asarray(axes_lib.rank_in_group(groups, n))[index]
 
 
-def grouped_type(x, axes, groups, op):
+def grouped_type(x, axes, op):
   """The type of an all-reduce's result over axis_index_groups: x's, still varying over
   `axes` (the groups' results differ), which x must vary over (check_vma=True). jax.lax's
   pmax/pmin type it invariant, which out_specs=P() would then accept silently."""

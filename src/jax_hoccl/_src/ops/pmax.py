@@ -23,7 +23,7 @@ extremum_p = ji.Primitive("hoccl_extremum")
 
 def _abstract_eval(x, *, axes, axis_size, op, site, groups):
   if groups is not None:
-    return common.grouped_type(x, axes, groups, op)
+    return common.grouped_type(x, axes, op)
   return common.reduced_type(x, axes, op)
 
 

@@ -61,7 +61,7 @@ def psum_algorithm(name: str):
 
 def _abstract_eval(x, *, axes, axis_size, algorithm, site, groups):
   if groups is not None:
-    return common.grouped_type(x, axes, groups, "psum")
+    return common.grouped_type(x, axes, "psum")
   return common.reduced_type(x, axes, "psum")
 
 
