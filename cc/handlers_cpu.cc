@@ -41,14 +41,24 @@ std::atomic<int64_t> g_next_call_key{1};
 // instructions of that site this process instantiated before: every process compiles the
 // same programs, so the names agree (a per-process counter alone would not, and a site alone
 // is shared by every call of an inner jit).
+// A shared site (job.h: the branches of one cond, each rank maybe in another) names one key
+// for all its instructions, so a rank in one branch meets its peers in the other.
 ffi::ErrorOr<std::unique_ptr<CpuCall>> InstantiateCpuCall(ffi::Dictionary attrs) {
   static std::mutex mu;
   static std::map<int64_t, uint64_t> per_site;
+  static std::map<int64_t, int64_t> shared_keys;
   auto call = std::make_unique<CpuCall>();
-  call->key = g_next_call_key.fetch_add(1);
   auto site = attrs.get<int64_t>("site");
   call->site = site.has_value() ? *site : 0;
   std::lock_guard<std::mutex> lock(mu);
+  if (SiteShared(call->site)) {
+    auto [it, fresh] = shared_keys.emplace(call->site, 0);
+    if (fresh) it->second = g_next_call_key.fetch_add(1);
+    call->key = it->second;
+    call->cross_key = static_cast<uint64_t>(call->site) << 20;
+    return call;
+  }
+  call->key = g_next_call_key.fetch_add(1);
   call->cross_key = (static_cast<uint64_t>(call->site) << 20) | per_site[call->site]++;
   return call;
 }

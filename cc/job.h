@@ -41,6 +41,12 @@ int64_t GlobalDeviceId(int64_t local_ordinal);
 void NameSite(int64_t site, std::string name);
 std::string SiteName(int64_t site, const char* mover);
 
+// A site shared by alternative instructions: the n-th collective of each branch of one
+// lax.cond / lax.switch, of which each rank may run another (src/jax_hoccl/_src/branches.py).
+// The CPU engine pairs every instruction of a shared site as one (handlers_cpu.cc).
+void ShareSite(int64_t site);
+bool SiteShared(int64_t site);
+
 }  // namespace hoccl
 
 #endif  // JAX_HOCCL_JOB_H_

@@ -159,8 +159,9 @@ def assert_sum_matches(ours, ref, name=""):
 
 @contextlib.contextmanager
 def lax_ppermute_any_axis_order():
-  """jax.lax.ppermute refuses axis names out of mesh order (('y', 'x') on an ('x', 'y') mesh)
-  unless this check is off; with it off lax uses the given order, as jax_hoccl does."""
+  """jax.lax.ppermute, and jax_hoccl.ppermute like it, refuses axis names out of mesh order
+  (('y', 'x') on an ('x', 'y') mesh) unless this check is off; with it off both use the given
+  order. (The other collectives take any order, in jax.lax and in jax_hoccl.)"""
   prev = jax.config.jax_raise_on_ppermute_sort_diff
   jax.config.update("jax_raise_on_ppermute_sort_diff", False)
   try:

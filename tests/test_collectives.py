@@ -12,6 +12,7 @@ test_programs.py::test_independent_collectives_in_one_program). Larger sizes are
 one collective per program (test_large_single_leaf).
 """
 import contextlib
+import functools
 import zlib
 
 import numpy as np
@@ -753,3 +754,39 @@ def test_vmap_axis_names_like_lax():
   v = jnp.arange(12.0).reshape(4, 3)
   np.testing.assert_allclose(jax.vmap(lambda r: hc.psum(r, "b"), axis_name="b")(v),
                              jax.vmap(lambda r: jax.lax.psum(r, "b"), axis_name="b")(v))
+
+
+# ------------------------------------------------------------------------- special values
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_pmax_pmin_propagate_nan_and_psum_keeps_negative_zero(dtype):
+  """Decided per README: pmax/pmin propagate NaN like jnp.max (jax.lax on XLA:CPU returns the
+  other value), psum of all -0.0 is -0.0 (jax.lax on XLA:CPU gives +0.0); elsewhere equal to
+  jax.lax. The reference is numpy on the gathered blocks (np.sum would start from +0.0)."""
+  dt = DTYPES[dtype]
+  rng = np.random.default_rng(80)
+  host = rand(rng, (8 * 2, 4), dt)
+  host[3, 1] = host[9, 2] = host[14, 0] = np.nan
+  x = put(MESH1, host, P("x"))
+  zeros = put(MESH1, np.full((8 * 2, 4), -0.0, dtype=dt), P("x"))
+
+  def body(a, z):
+    return (hc.pmax(a, "x"), hc.pmin(a, "x"), jax.lax.pmax(a, "x"), hc.psum(z, "x"),
+            jax.lax.psum(z, "x"))
+
+  f = jax.jit(jax.shard_map(body, mesh=MESH1, in_specs=(P("x"), P("x")), out_specs=P()))
+  with hc.psum_algorithm("two_step"):
+    two = jax.jit(jax.shard_map(lambda z: hc.psum(z, "x"), mesh=MESH1, in_specs=P("x"),
+                                out_specs=P()))(zeros)
+  mx, mn, lax_mx, zsum, lax_zsum = map(to_np, f(x, zeros))
+  blocks = host.reshape(8, 2, 4).astype(np.float32)
+  np.testing.assert_array_equal(mx.astype(np.float32), blocks.max(0))  # NaN where any NaN
+  np.testing.assert_array_equal(mn.astype(np.float32), blocks.min(0))
+  nan = np.isnan(blocks).any(0)
+  assert nan.sum() == 3 and np.isnan(mx[nan]).all() and np.isnan(mn[nan]).all()
+  np.testing.assert_array_equal(mx[~nan], lax_mx[~nan])  # elsewhere: jax.lax's
+  for got in (zsum, to_np(two)):
+    assert (got == 0).all() and np.signbit(got).all()  # -0.0: a left fold of the ranks' -0.0
+  assert np.signbit(functools.reduce(np.add, np.full(8, -0.0, dtype=np.float32)))
+  # What README says jax.lax does on XLA:CPU (if jax changes it, README needs updating).
+  assert (lax_zsum == 0).all() and not np.signbit(lax_zsum).any()
+  assert not np.isnan(lax_mx[nan]).any()

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import jax_hoccl as hc
-from conftest import MESH1, MESH2, put, rand, run_script
+from conftest import MESH1, MESH2, lax_ppermute_any_axis_order, put, rand, run_script
 
 X1 = put(MESH1, rand(np.random.default_rng(40), (64, 8), np.float32), P("x"))
 X2 = put(MESH2, rand(np.random.default_rng(41), (64, 8), np.float32), P(("x", "y")))
@@ -74,10 +74,22 @@ def test_outside_shard_map(op):
     ALL_OPS[op](x, "x")
 
 
-@pytest.mark.parametrize("op", ["psum", "all_gather", "psum_scatter", "all_to_all"])
-def test_axis_index_groups_not_supported(op):
-  with pytest.raises(NotImplementedError, match="axis_index_groups"):
-    trace(lambda a: ALL_OPS[op](a, "x", axis_index_groups=[[0, 1, 2, 3], [4, 5, 6, 7]]))
+def test_ppermute_axes_out_of_mesh_order_like_lax():
+  """jax.lax.ppermute raises for ('y', 'x') on an ('x', 'y') mesh unless
+  jax_raise_on_ppermute_sort_diff is off; so does jax_hoccl's, and with the check off both
+  permute in the order given (test_collectives.py::test_ppermute, id 2d-yx)."""
+  perm = [(i, (i + 1) % 8) for i in range(8)]
+  with pytest.raises(RuntimeError, match="same order as the axis_names declared on the mesh"):
+    jax.jit(jax.shard_map(lambda a: jax.lax.ppermute(a, ("y", "x"), perm), mesh=MESH2,
+                          in_specs=P(("x", "y")), out_specs=P(("x", "y")))).lower(X2)
+  with pytest.raises(RuntimeError, match=r"jax_hoccl.ppermute: axis_name \('y', 'x'\) is not in "
+                     r"the order of the mesh's axes \('x', 'y'\).*raise_on_ppermute_sort_diff"):
+    trace(lambda a: hc.ppermute(a, ("y", "x"), perm), MESH2, X2)
+  trace(lambda a: hc.ppermute(a, ("x", "y"), perm), MESH2, X2)
+  with lax_ppermute_any_axis_order():
+    trace(lambda a: hc.ppermute(a, ("y", "x"), perm), MESH2, X2)
+  for op in ("psum", "all_gather", "psum_scatter", "all_to_all"):  # these take any order
+    trace(lambda a: ALL_OPS[op](a, ("y", "x")), MESH2, X2)
 
 
 # ---------------------------------------------------------------------------------- sizes

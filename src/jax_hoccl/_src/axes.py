@@ -43,11 +43,8 @@ def split_vmap_axes(axis_name) -> tuple[tuple, tuple]:
   return vmapped, tuple(a for a in axes if a not in vmapped)
 
 
-def check_axes(axis_name, op: str, axis_index_groups=None) -> tuple[tuple, int]:
+def check_axes(axis_name, op: str) -> tuple[tuple, int]:
   """Checks the axes are manual mesh axes of the enclosing shard_map; returns (axes, size)."""
-  if axis_index_groups is not None:
-    raise NotImplementedError(
-        f"jax_hoccl.{op}: axis_index_groups is not supported; use a mesh axis per group.")
   axes = normalize_axes(axis_name)
   if not axes:
     raise ValueError(f"jax_hoccl.{op}: axis_name must name at least one mesh axis.")
@@ -69,7 +66,47 @@ def check_axes(axis_name, op: str, axis_index_groups=None) -> tuple[tuple, int]:
   return axes, size
 
 
+def check_groups(axis_index_groups, n: int, op: str, even: bool = False):
+  """axis_index_groups as a tuple of tuples (None stays None): subgroups of the indices
+  0..n-1 along the axes (row-major over them in the order given, as jax.lax.axis_index), which
+  must cover every index exactly once, like jax.lax's reductions require. even=True: all the
+  same size (the ops whose output shape depends on the group size)."""
+  if axis_index_groups is None:
+    return None
+  groups = tuple(tuple(int(i) for i in g) for g in axis_index_groups)
+  flat = [i for g in groups for i in g]
+  if not groups or any(not g for g in groups) or sorted(flat) != list(range(n)):
+    raise ValueError(
+        f"jax_hoccl.{op}: axis_index_groups must cover all indices exactly once: got {groups} "
+        f"for an axis of size {n}.")
+  if even and len({len(g) for g in groups}) > 1:
+    raise ValueError(
+        f"jax_hoccl.{op}: axis_index_groups must all have the same size, got sizes "
+        f"{[len(g) for g in groups]} (jax.lax's {op} cannot lower them either).")
+  return groups
+
+
+def groups_even(groups) -> bool:
+  return groups is None or len({len(g) for g in groups}) == 1
+
+
+def group_size(groups, n: int) -> int:
+  """Ranks per group: the axis size without groups, else the (even) groups' size."""
+  return n if groups is None else len(groups[0])
+
+
+def rank_in_group(groups, n: int) -> np.ndarray:
+  """[n]: each axis index's position in its group (its rank there)."""
+  pos = np.zeros(n, np.int32)
+  for g in groups:
+    pos[list(g)] = np.arange(len(g), dtype=np.int32)
+  return pos
+
+
 def check_dtype(x, op: str, summable: bool = False) -> None:
+  """Checks an input array of a collective: a dtype jax_hoccl moves (or sums), and a static
+  shape."""
+  check_static_shape(x, op)
   dt = np.dtype(x.dtype)
   allowed = _SUMMABLE if summable else _MOVABLE
   if summable and dt == np.bool_:
@@ -79,6 +116,19 @@ def check_dtype(x, op: str, summable: bool = False) -> None:
     raise TypeError(
         f"jax_hoccl.{op}: dtype {dt} is not supported (it cannot be {kind} by jax_hoccl). "
         f"Supported: {sorted(str(d) for d in allowed)}.")
+
+
+def check_static_shape(x, op: str) -> None:
+  """Symbolic dims (jax.export) are refused at trace time: with jaxlib 0.11.2, a module whose
+  shard_map body holds a custom call of symbolic shape crashes (SIGSEGV) in the shape
+  refinement that runs when the exported function is called, and jax's own reshapes of
+  symbolic shapes in a shard_map body fail there too (docs/design.md, "Symbolic shapes")."""
+  if not all(ji.is_static(d) for d in np.shape(x)):
+    raise NotImplementedError(
+        f"jax_hoccl.{op}: symbolic shapes (jax.export) are not supported, got shape "
+        f"{tuple(np.shape(x))}: jaxlib 0.11.2 cannot compile a custom call of symbolic shape "
+        "inside shard_map (its shape refinement crashes). Export with concrete shapes, or use "
+        "jax.lax's collectives where the shapes are symbolic.")
 
 
 def _by_group(values: np.ndarray, axis_names, axes) -> np.ndarray:
@@ -91,30 +141,56 @@ def _by_group(values: np.ndarray, axis_names, axes) -> np.ndarray:
   return np.ascontiguousarray(values.transpose(perm).reshape(-1, n))
 
 
-def group_table(mesh, axes) -> np.ndarray:
-  """Device ids of every group along `axes`: shape [num_groups, group_size]."""
-  return _by_group(np.asarray(mesh.device_ids), mesh.axis_names, axes).astype(np.int64)
+def group_table(mesh, axes, groups=None) -> np.ndarray:
+  """Device ids of every group along `axes`: shape [num_groups, group_size]. With (even)
+  axis_index_groups each group along the axes splits into those subgroups, as jax.lax's
+  replica groups do; the C++ handlers find their row and rank in the table all the same."""
+  table = _by_group(np.asarray(mesh.device_ids), mesh.axis_names, axes).astype(np.int64)
+  if groups is None:
+    return table
+  return np.concatenate([table[:, list(g)] for g in groups], axis=0)
 
 
 _sites = itertools.count(1)
 _user_ops: list[str] = []
+_shared: set[int] = set()  # sites shared by the branches of a cond (branches.py)
+_scopes: list = []  # per enclosing user_op: None, or [its shared site, sites made so far]
+_derived: dict[tuple[int, int], int] = {}  # (shared site, k) -> its k-th inner site
 
 
 @contextlib.contextmanager
-def user_op(name: str):
+def user_op(name: str, site: int | None = None):
   """Sites made inside (e.g. psum's lowering, which runs on all_gather) are reported in
-  errors as the op the user called."""
+  errors as the op the user called. When `site` (the op's own) is shared by cond branches,
+  the k-th site made inside is the same in every branch, and shared too."""
   _user_ops.append(name)
+  _scopes.append([site, 0] if site in _shared else None)
   try:
     yield
   finally:
+    _scopes.pop()
     _user_ops.pop()
+
+
+def share_site(site: int) -> int:
+  """Marks `site` as shared by alternative instructions (branches.py); returns it."""
+  _shared.add(site)
+  ffi_targets.share_site(site)
+  return site
 
 
 def new_site() -> int:
   """A fresh call-site id. Every collective a lowering emits carries one: XLA:CPU may run
   independent ops concurrently, in a different order per device, so the CPU engine pairs
   the ranks' calls by (site, n-th call from it), as XLA's own CPU collectives key by op id."""
+  scope = _scopes[-1] if _scopes else None
+  if scope is not None:  # inside an op whose site the branches of a cond share
+    key = (scope[0], scope[1])
+    scope[1] += 1
+    if key not in _derived:
+      _derived[key] = share_site(next(_sites))
+      ffi_targets.name_site(_derived[key], _user_ops[-1])
+    return _derived[key]
   site = next(_sites)
   if _user_ops:
     ffi_targets.name_site(site, _user_ops[-1])
@@ -153,10 +229,10 @@ def check_single_node(mesh, axes, op: str) -> None:
         "XLA's collectives across). Use mesh axes whose groups stay inside a node for them.")
 
 
-def ffi_group_attrs(ctx, axes, op: str, site: int) -> dict:
+def ffi_group_attrs(ctx, axes, op: str, site: int, groups=None) -> dict:
   mesh = ji.concrete_mesh_from_lowering(ctx, op)
   check_single_node(mesh, axes, op)
   if spans_processes(mesh, axes):
     job.nodes()  # the C++ engines learn the job before the first call
-  table = group_table(mesh, axes)
+  table = group_table(mesh, axes, groups)
   return dict(groups=table.reshape(-1), group_size=np.int64(table.shape[1]), site=np.int64(site))

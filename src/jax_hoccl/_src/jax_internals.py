@@ -160,6 +160,47 @@ def swap_lowering(prim, rule):
   return old_rule, restore
 
 
+def ppermute_axis_order_checked() -> bool:
+  """jax.raise_on_ppermute_sort_diff: whether jax.lax.ppermute refuses axis names out of
+  mesh order (default True)."""
+  return bool(_config.raise_on_ppermute_sort_diff.value)
+
+
+def cond_primitive():
+  """The primitive of jax.lax.cond / jax.lax.switch, whose lowering branches.py wraps."""
+  from jax._src.lax.control_flow import conditionals
+  prim = getattr(conditionals, "cond_p", None)
+  if prim is None or prim not in mlir._lowerings:
+    raise RuntimeError(f"jax {jax.__version__} has no cond primitive with a lowering as jax "
+                       "0.11.2 has: jax_hoccl cannot pair collectives across cond branches.")
+  return prim
+
+
+def map_eqns(closed_jaxpr, fn, skip=()):
+  """closed_jaxpr with every equation e replaced by fn(e) (an equation), depth first in
+  program order, sub-jaxprs in params included except those of primitives in `skip`."""
+  def sub(v):
+    if isinstance(v, core.ClosedJaxpr):
+      return map_eqns(v, fn, skip)
+    if isinstance(v, core.Jaxpr):
+      return map_eqns(core.ClosedJaxpr(v, ()), fn, skip).jaxpr
+    if isinstance(v, tuple) and v and all(isinstance(x, (core.Jaxpr, core.ClosedJaxpr)) for x in v):
+      return tuple(sub(x) for x in v)
+    return v
+
+  eqns = []
+  for e in closed_jaxpr.jaxpr.eqns:
+    if e.primitive not in skip:
+      e = e.replace(params={k: sub(v) for k, v in e.params.items()})
+    eqns.append(fn(e))
+  return core.ClosedJaxpr(closed_jaxpr.jaxpr.replace(eqns=eqns), closed_jaxpr.consts)
+
+
+def is_static(dim) -> bool:
+  """Whether a dimension is a number, not a jax.export symbol."""
+  return bool(core.is_constant_dim(dim))
+
+
 def bound_axis(name) -> bool:
   """Whether `name` is an axis of the current trace: a shard_map mesh axis or a vmap one."""
   return bool(core.get_axis_env().axis_exists(name))

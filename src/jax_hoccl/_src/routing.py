@@ -36,7 +36,7 @@ def _lowering(ctx, *args, axes, axis_index_groups=None, **params):
   def sums(*xs):
     with axes_lib.user_op("psum"):
       return [psum_lib.psum_p.bind(
-          x, axes=axes, axis_size=n, unreduced=False, site=axes_lib.new_site(),
+          x, axes=axes, axis_size=n, unreduced=False, site=axes_lib.new_site(), groups=None,
           algorithm=psum_lib.choose_algorithm(x.size * x.dtype.itemsize, n)) for x in xs]
 
   return ji.lower_fun(sums, multiple_results=True)(ctx, *args)

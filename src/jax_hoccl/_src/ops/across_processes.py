@@ -61,8 +61,13 @@ def lowering_for(op: str, ctx, x, **params):
   """The lowering of mover `op` (params: the primitive's) when its group spans processes,
   else None."""
   mesh = ji.concrete_mesh_from_lowering(ctx, op)
+  groups = params.pop("groups", None)
   if not axes_lib.spans_nodes(mesh, params["axes"]):
     return None
+  if groups is not None:
+    raise NotImplementedError(
+        f"jax_hoccl.{op}: axis_index_groups over axes {params['axes']} whose groups span "
+        "nodes is not supported; use mesh axes whose groups stay inside a node.")
   local, cross, sizes = split(mesh, tuple(params.pop("axes")))
   fn = _ACROSS[op]
   return ji.lower_fun(fn, multiple_results=False)(

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import branches
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
 from jax_hoccl._src.ops import across_processes, buckets, common
@@ -22,7 +23,7 @@ from jax_hoccl._src.ops import across_processes, buckets, common
 all_gather_p = ji.Primitive("hoccl_all_gather")
 
 
-def _abstract_eval(x, *, axes, axis_size, invariant, reduced, skip_own, site):
+def _abstract_eval(x, *, axes, axis_size, invariant, reduced, skip_own, site, groups):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl all_gather: input must be varying over {axes}, got {set(vma)}")
@@ -31,19 +32,20 @@ def _abstract_eval(x, *, axes, axis_size, invariant, reduced, skip_own, site):
       common.check_unreduced_kind(x, axes, "all_gather", "sum")
     return ji.with_type(x, (axis_size, *x.shape), vma - set(axes),
                         reduced=ji.reduced_axes(x) | set(axes))
-  out_vma = vma - set(axes) if invariant else vma
+  # Over axis_index_groups each group gathers its own blocks: varying over the axes.
+  out_vma = vma - set(axes) if invariant and groups is None else vma
   return ji.with_type(x, (axis_size, *x.shape), out_vma, (None, *ji.spec_of(x)))
 
 
-def _lowering(ctx, x, *, axes, axis_size, invariant, reduced, skip_own, site):
+def _lowering(ctx, x, *, axes, axis_size, invariant, reduced, skip_own, site, groups):
   # (Across processes every slot is written, my own too: a superset of skip_own's result.)
   # A reduced result moves the same bytes as an invariant one.
   across = across_processes.lowering_for("all_gather", ctx, x, axes=axes,
-                                         invariant=invariant or reduced)
+                                         invariant=invariant or reduced, groups=groups)
   if across is not None:
     return across
   return ffi_lower("hoccl_all_gather", "all_gather", ctx, x, skip_own=np.int64(skip_own),
-                   **axes_lib.ffi_group_attrs(ctx, axes, "all_gather", site))
+                   **axes_lib.ffi_group_attrs(ctx, axes, "all_gather", site, groups))
 
 
 def _batch(args, dims, **params):
@@ -56,12 +58,16 @@ all_gather_p.def_abstract_eval(_abstract_eval)
 ji.register_lowering(all_gather_p, _lowering)
 # Its transpose, a reduce-scatter, is registered in psum_scatter.py (which imports this module).
 ji.primitive_batchers[all_gather_p] = _batch
+branches.register(all_gather_p)
 
 
-def gather_stacked(x, axes, axis_size, invariant=False, skip_own=False, reduced=False):
+def gather_stacked(x, axes, axis_size, invariant=False, skip_own=False, reduced=False,
+                   groups=None):
+  """x -> [axis_size, *x.shape] over `axes`, or over my group of (even) axis_index_groups
+  (axis_size is then the group size)."""
   return all_gather_p.bind(x, axes=tuple(axes), axis_size=int(axis_size), invariant=invariant,
                            reduced=bool(reduced), skip_own=bool(skip_own),
-                           site=axes_lib.new_site())
+                           site=axes_lib.new_site(), groups=groups)
 
 
 def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to="varying"):
@@ -79,9 +85,11 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
   if axes_lib.split_vmap_axes(axis_name)[0]:  # a vmap axis: jax.lax's (see axes.py)
     return jax.lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
                               tiled=tiled, to="invarying" if to == "invariant" else to)
-  axes, n = axes_lib.check_axes(axis_name, "all_gather", axis_index_groups)
+  axes, n = axes_lib.check_axes(axis_name, "all_gather")
+  groups = axes_lib.check_groups(axis_index_groups, n, "all_gather", even=True)
+  n = axes_lib.group_size(groups, n)
   if n == 1:  # nothing to exchange (a one-device axis): jax.lax's costs nothing
-    return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled,
+    return jax.lax.all_gather(x, axis_name, axis_index_groups=groups, axis=axis, tiled=tiled,
                               to="invarying" if to == "invariant" else to)
 
   invariant, reduced = to in ("invarying", "invariant"), to == "reduced"
@@ -106,7 +114,8 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
 
   leaves, tree = jax.tree.flatten(x)
   leaves = [prepare(leaf) for leaf in leaves]
-  gather = lambda v: gather_stacked(v, axes, n, invariant=invariant, reduced=reduced)  # noqa: E731
+  gather = lambda v: gather_stacked(v, axes, n, invariant=invariant, reduced=reduced,  # noqa: E731
+                                    groups=groups)
   out = buckets.combined(
       leaves, lambda leaf: place(gather(leaf), leaf), pack=lambda leaf: leaf.reshape(-1),
       exchange=gather, unpack=lambda part, leaf: place(part.reshape(n, *leaf.shape), leaf))

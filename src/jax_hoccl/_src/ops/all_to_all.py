@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import branches
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
 from jax_hoccl._src.ops import across_processes, buckets, common
@@ -19,7 +20,7 @@ from jax_hoccl._src.ops import across_processes, buckets, common
 all_to_all_p = ji.Primitive("hoccl_all_to_all")
 
 
-def _abstract_eval(x, *, axes, axis_size, skip_own, site):
+def _abstract_eval(x, *, axes, axis_size, skip_own, site, groups):
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl all_to_all: input must be varying over {axes}, got {set(vma)}")
@@ -28,17 +29,17 @@ def _abstract_eval(x, *, axes, axis_size, skip_own, site):
   return ji.with_type(x, x.shape, vma)
 
 
-def _lowering(ctx, x, *, axes, axis_size, skip_own, site):
-  across = across_processes.lowering_for("all_to_all", ctx, x, axes=axes)
+def _lowering(ctx, x, *, axes, axis_size, skip_own, site, groups):
+  across = across_processes.lowering_for("all_to_all", ctx, x, axes=axes, groups=groups)
   if across is not None:
     return across
   return ffi_lower("hoccl_all_to_all", "all_to_all", ctx, x, skip_own=np.int64(skip_own),
-                   **axes_lib.ffi_group_attrs(ctx, axes, "all_to_all", site))
+                   **axes_lib.ffi_group_attrs(ctx, axes, "all_to_all", site, groups))
 
 
-def _transpose(ct, x, *, axes, axis_size, skip_own, site):
+def _transpose(ct, x, *, axes, axis_size, skip_own, site, groups):
   assert not skip_own, "skip_own is for psum_scatter's lowering only, never differentiated"
-  return [exchange_stacked(ct, axes, axis_size)]
+  return [exchange_stacked(ct, axes, axis_size, groups=groups)]
 
 
 def _batch(args, dims, **params):
@@ -52,11 +53,14 @@ all_to_all_p.def_abstract_eval(_abstract_eval)
 ji.register_lowering(all_to_all_p, _lowering)
 ji.deflinear2(all_to_all_p, _transpose)
 ji.primitive_batchers[all_to_all_p] = _batch
+branches.register(all_to_all_p)
 
 
-def exchange_stacked(x, axes, axis_size, skip_own=False):
+def exchange_stacked(x, axes, axis_size, skip_own=False, groups=None):
+  """x[axis_size, ...] -> block j to rank j of `axes`, or of my group of (even)
+  axis_index_groups (axis_size is then the group size)."""
   return all_to_all_p.bind(x, axes=tuple(axes), axis_size=int(axis_size),
-                           skip_own=bool(skip_own), site=axes_lib.new_site())
+                           skip_own=bool(skip_own), site=axes_lib.new_site(), groups=groups)
 
 
 def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None, tiled=False):
@@ -65,9 +69,12 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None,
   if axes_lib.split_vmap_axes(axis_name)[0]:  # a vmap axis: jax.lax's (see axes.py)
     return jax.lax.all_to_all(x, axis_name, split_axis, concat_axis,
                               axis_index_groups=axis_index_groups, tiled=tiled)
-  axes, n = axes_lib.check_axes(axis_name, "all_to_all", axis_index_groups)
+  axes, n = axes_lib.check_axes(axis_name, "all_to_all")
+  groups = axes_lib.check_groups(axis_index_groups, n, "all_to_all", even=True)
+  n = axes_lib.group_size(groups, n)
   if n == 1:  # nothing to exchange (a one-device axis): jax.lax's costs nothing
-    return jax.lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=tiled)
+    return jax.lax.all_to_all(x, axis_name, split_axis, concat_axis, axis_index_groups=groups,
+                              tiled=tiled)
 
   def axes_of(nd):
     return (common.canonical_axis(split_axis, nd, "all_to_all", "split_axis"),
@@ -94,7 +101,7 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None,
 
   leaves, tree = jax.tree.flatten(x)
   blocks = [blocks_of(leaf) for leaf in leaves]
-  exchange = lambda b: exchange_stacked(b, axes, n)  # noqa: E731
+  exchange = lambda b: exchange_stacked(b, axes, n, groups=groups)  # noqa: E731
   out = buckets.combined(
       blocks, lambda b: place(exchange(b)), pack=lambda b: b.reshape(n, -1), exchange=exchange,
       unpack=lambda part, b: place(part.reshape(b.shape)))

@@ -30,22 +30,46 @@ def sum_leading(x):
   return jax.lax.convert_element_type(acc, dt) if low_precision else acc
 
 
-def with_own(received, own, axes):
+def with_own(received, own, axes, groups=None):
   """`received` [n, ...], whose slot `rank` the mover left unwritten (skip_own), with that
   slot taken from `own`: what a reduction over the ranks reads, without copying my own block
   into `received` first (XLA fuses the select into the reduction). lax's primitives, as in
   sum_leading."""
   n, shape = received.shape[0], received.shape
   mine = jax.lax.eq(jax.lax.iota(np.int32, n),
-                    jax.lax.broadcast(jax.lax.convert_element_type(rank(axes), np.int32), (n,)))
+                    jax.lax.broadcast(jax.lax.convert_element_type(rank(axes, groups), np.int32), (n,)))
   return jax.lax.select(jax.lax.broadcast_in_dim(mine, shape, (0,)),
                         jax.lax.broadcast_in_dim(own, shape, tuple(range(1, len(shape)))),
                         received)
 
 
-def sum_leading_with_own(received, own, axes):
+def sum_leading_with_own(received, own, axes, groups=None):
   """sum_leading of with_own(received, own, axes): the same rank-order sum, bitwise."""
-  return sum_leading(with_own(received, own, axes))
+  return sum_leading(with_own(received, own, axes, groups))
+
+
+def fold_my_group(every, axes, groups, combine):
+  """every [n, ...] (every index's block along the axes) folded with `combine` over the
+  members of my group, in the order the group lists them: the reduction over axis_index_groups
+  of unequal sizes, where no mover of one group size fits every group. bf16/f16 (and float8)
+  accumulate in f32 and round once, like sum_leading."""
+  n = every.shape[0]
+  width = max(len(g) for g in groups)
+  members = np.full((len(groups), width), -1, np.int32)
+  group_of = np.zeros(n, np.int32)
+  for k, g in enumerate(groups):
+    members[k, :len(g)] = g
+    group_of[list(g)] = k
+  mine = jnp.asarray(members)[jnp.asarray(group_of)[jax.lax.axis_index(axis_name_arg(axes))]]
+  dt = np.dtype(every.dtype)
+  low_precision = bool(jnp.issubdtype(dt, jnp.floating)) and dt.itemsize < 4
+  take = lambda i: jax.lax.dynamic_index_in_dim(  # noqa: E731
+      every, jnp.maximum(i, 0), axis=0, keepdims=False).astype(
+          jnp.float32 if low_precision else dt)
+  acc = take(mine[0])
+  for k in range(1, width):
+    acc = jnp.where(mine[k] >= 0, combine(acc, take(mine[k])), acc)
+  return acc.astype(dt)
 
 
 def summable(x, op):
@@ -174,5 +198,20 @@ def canonical_axis(axis: int, ndim: int, op: str, what: str) -> int:
   return axis % ndim
 
 
-def rank(axes):
-  return jax.lax.axis_index(axis_name_arg(axes))
+def rank(axes, groups=None):
+  """My rank along `axes`, or in my group of axis_index_groups."""
+  index = jax.lax.axis_index(axis_name_arg(axes))
+  if groups is None:
+    return index
+  n = sum(len(g) for g in groups)
+  return jnp.asarray(axes_lib.rank_in_group(groups, n))[index]
+
+
+def grouped_type(x, axes, op):
+  """The type of an all-reduce's result over axis_index_groups: x's, still varying over
+  `axes` (the groups' results differ), which x must vary over (check_vma=True). jax.lax's
+  pmax/pmin type it invariant, which out_specs=P() would then accept silently."""
+  vma = ji.varying_axes(x)
+  if ji.check_vma_enabled() and not set(axes) <= vma:
+    raise ValueError(f"jax_hoccl {op}: input must be varying over {axes}, got {set(vma)}")
+  return ji.with_type(x, x.shape, vma)

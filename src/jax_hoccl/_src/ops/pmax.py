@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import branches
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ops import across_processes, buckets, common
 from jax_hoccl._src.ops.all_gather import gather_stacked
@@ -23,28 +24,36 @@ extremum_p = ji.Primitive("hoccl_extremum")
 _KIND = {"pmax": "max", "pmin": "min"}  # the unreduced kind each takes (jax.lax's)
 
 
-def _abstract_eval(x, *, axes, axis_size, op, unreduced, site):
+def _abstract_eval(x, *, axes, axis_size, op, unreduced, site, groups):
   if unreduced:  # jax.lax's unreduced_pmax / unreduced_pmin
     return common.unreduced_result_type(x, axes, op, _KIND[op])
+  if groups is not None:
+    return common.grouped_type(x, axes, op)
   return common.reduced_type(x, axes, op)
 
 
-def _impl(x, *, axes, axis_size, op, unreduced, site):
-  got = gather_stacked(x, axes, axis_size, invariant=True, skip_own=True)
-  return (jnp.max if op == "pmax" else jnp.min)(common.with_own(got, x, axes), axis=0)
+def _impl(x, *, axes, axis_size, op, unreduced, site, groups):
+  if not axes_lib.groups_even(groups):
+    # Groups of unequal sizes: every block along the axes, reduced over my group's members.
+    every = gather_stacked(x, axes, axis_size)
+    return common.fold_my_group(every, axes, groups, jnp.maximum if op == "pmax" else jnp.minimum)
+  n = axes_lib.group_size(groups, axis_size)
+  got = gather_stacked(x, axes, n, invariant=True, skip_own=True, groups=groups)
+  return (jnp.max if op == "pmax" else jnp.min)(common.with_own(got, x, axes, groups), axis=0)
 
 
-def _lowering(ctx, x, *, axes, axis_size, op, unreduced, site):
+def _lowering(ctx, x, *, axes, axis_size, op, unreduced, site, groups):
   if unreduced:  # reduced by the code for a varying input (the same bytes)
     return ji.lower_with_avals(ctx, [common.as_varying(ctx.avals_in[0], axes)], _lowering, x,
                                axes=axes, axis_size=axis_size, op=op, unreduced=False,
-                               site=site)
-  with axes_lib.user_op(op):
-    across = across_processes.lowering_for(op, ctx, x, axes=axes)
+                               site=site, groups=groups)
+  with axes_lib.user_op(op, site):
+    across = across_processes.lowering_for(op, ctx, x, axes=axes, groups=groups)
     if across is not None:
       return across
     return ji.lower_fun(_impl, multiple_results=False)(ctx, x, axes=axes, axis_size=axis_size,
-                                                        op=op, unreduced=False, site=site)
+                                                        op=op, unreduced=False, site=site,
+                                                        groups=groups)
 
 
 def _batch(args, dims, **params):
@@ -55,6 +64,7 @@ def _batch(args, dims, **params):
 extremum_p.def_abstract_eval(_abstract_eval)
 ji.register_lowering(extremum_p, _lowering)
 ji.primitive_batchers[extremum_p] = _batch
+branches.register(extremum_p)
 
 
 def _extremum(x, axis_name, axis_index_groups, op):
@@ -63,7 +73,8 @@ def _extremum(x, axis_name, axis_index_groups, op):
     x = getattr(jax.lax, op)(x, vmapped, axis_index_groups=axis_index_groups)
   if not axis_name:
     return x
-  axes, n = axes_lib.check_axes(axis_name, op, axis_index_groups)
+  axes, n = axes_lib.check_axes(axis_name, op)
+  groups = axes_lib.check_groups(axis_index_groups, n, op)
   if n == 1:  # nothing to exchange (a one-device axis): jax.lax's costs nothing
     return getattr(jax.lax, op)(x, axis_name)
 
@@ -80,7 +91,7 @@ def _extremum(x, axis_name, axis_index_groups, op):
   def one(leaf):
     unreduced = common.input_state(leaf, axes, op) == "unreduced"
     return extremum_p.bind(leaf, axes=axes, axis_size=n, op=op, unreduced=unreduced,
-                           site=axes_lib.new_site())
+                           site=axes_lib.new_site(), groups=groups)
 
   return buckets.elementwise(x, prepare, one)
 
@@ -100,7 +111,7 @@ def _across_nodes(x, *, axes, local, cross, sizes, op, **_):
   on the local result."""
   if local:
     x = extremum_p.bind(x, axes=local, axis_size=across_processes.size_of(local, dict(sizes)),
-                        op=op, unreduced=False, site=axes_lib.new_site())
+                        op=op, unreduced=False, site=axes_lib.new_site(), groups=None)
   return (jax.lax.pmax if op == "pmax" else jax.lax.pmin)(x, cross)
 
 

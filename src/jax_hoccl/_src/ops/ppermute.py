@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import branches
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
 from jax_hoccl._src.ops import across_processes, buckets, common
@@ -46,6 +47,7 @@ ppermute_p.def_abstract_eval(_abstract_eval)
 ji.register_lowering(ppermute_p, _lowering)
 ji.deflinear2(ppermute_p, _transpose)
 ji.primitive_batchers[ppermute_p] = _batch
+branches.register(ppermute_p)
 
 
 def permute_dst(perm, axis_size: int) -> np.ndarray:
@@ -79,6 +81,16 @@ def ppermute(x, axis_name, perm):
   if axes_lib.split_vmap_axes(axis_name)[0]:  # a vmap axis: jax.lax's (see axes.py)
     return jax.lax.ppermute(x, axis_name, perm)
   axes, n = axes_lib.check_axes(axis_name, "ppermute")
+  mesh = jax.sharding.get_abstract_mesh()
+  moved = [a for a in axes if mesh.shape[a] > 1]  # one-device axes change no device order
+  mesh_order = [a for a in mesh.axis_names if a in moved]
+  if moved != mesh_order and ji.ppermute_axis_order_checked():
+    # As jax.lax.ppermute (jax 0.11.2), which raises this unless the check is off; jax_hoccl
+    # then ranks devices row-major over the axes in the order given, as axis_index does.
+    raise RuntimeError(
+        f"jax_hoccl.ppermute: axis_name {axes} is not in the order of the mesh's axes "
+        f"{tuple(mesh_order)}. Pass them in mesh order or, to permute in the given order, set "
+        "jax.config.update('jax_raise_on_ppermute_sort_diff', False) (as for jax.lax.ppermute).")
   if n == 1:  # nothing to exchange (a one-device axis): jax.lax's costs nothing
     return jax.lax.ppermute(x, axis_name, perm)
   perm = check_perm(perm, n)

@@ -17,10 +17,12 @@ import contextlib
 import os
 import threading
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import branches
 from jax_hoccl._src import cost_model
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ops import across_processes, buckets, common
@@ -58,21 +60,27 @@ def psum_algorithm(name: str):
     _local.algorithm = prev
 
 
-def _abstract_eval(x, *, axes, axis_size, algorithm, unreduced, site):
+def _abstract_eval(x, *, axes, axis_size, algorithm, unreduced, site, groups):
   if unreduced:  # jax.lax's unreduced_psum: unreduced over axes -> invariant over them
     return common.unreduced_result_type(x, axes, "psum", "sum")
+  if groups is not None:
+    return common.grouped_type(x, axes, "psum")
   return common.reduced_type(x, axes, "psum")
 
 
-def _impl(x, *, axes, axis_size, algorithm, unreduced, site):
-  n = axis_size
+def _impl(x, *, axes, axis_size, algorithm, unreduced, site, groups):
+  if not axes_lib.groups_even(groups):
+    # Groups of unequal sizes: every block along the axes, summed over my group's members.
+    every = gather_stacked(x, axes, axis_size)
+    return common.fold_my_group(every, axes, groups, lambda a, b: a + b)
+  n = axes_lib.group_size(groups, axis_size)
   if algorithm == "one_shot":
-    got = gather_stacked(x, axes, n, invariant=True, skip_own=True)
-    return common.sum_leading_with_own(got, x, axes)
-  return two_step(x, axes, n)
+    got = gather_stacked(x, axes, n, invariant=True, skip_own=True, groups=groups)
+    return common.sum_leading_with_own(got, x, axes, groups)
+  return two_step(x, axes, n, groups=groups)
 
 
-def two_step(x, axes, n, across=None):
+def two_step(x, axes, n, across=None, groups=None):
   """psum_scatter x's flattened (zero-padded) elements over `axes`, then all_gather them;
   across(part), when given, sums each rank's 1/n part over more axes in between (the
   hierarchical psum across processes, ops/across_processes.py)."""
@@ -81,23 +89,23 @@ def two_step(x, axes, n, across=None):
   padded = -(-size // n) * n
   if padded != size:
     flat = jnp.pad(flat, (0, padded - size))
-  part = reduce_scatter_stacked(flat.reshape(n, padded // n), axes, n)
+  part = reduce_scatter_stacked(flat.reshape(n, padded // n), axes, n, groups)
   if across is not None:
     part = across(part)
-  full = gather_stacked(part, axes, n, invariant=True).reshape(-1)
+  full = gather_stacked(part, axes, n, invariant=True, groups=groups).reshape(-1)
   return full[:size].reshape(x.shape)
 
 
-def _transpose(ct, x, *, axes, axis_size, algorithm, unreduced, site):
+def _transpose(ct, x, *, axes, axis_size, algorithm, unreduced, site, groups):
   if unreduced:
     # As jax.lax's unreduced_psum: the invariant cotangent, typed reduced (a no-op cast).
     return [jax.lax.pcast(ct, tuple(axes), to="reduced")]
-  if ji.check_vma_enabled():
+  if ji.check_vma_enabled():  # (never with groups: psum refuses them under check_vma=True)
     # Typed invariant, the cotangent is the same on every rank: psum is psum + pbroadcast.
     return [jax.lax.pcast(ct, tuple(axes), to="varying")]
   # Without types the cotangent may differ per rank: the true transpose sums it.
   return [psum_p.bind(ct, axes=axes, axis_size=axis_size, algorithm=algorithm,
-                      unreduced=False, site=axes_lib.new_site())]
+                      unreduced=False, site=axes_lib.new_site(), groups=groups)]
 
 
 def _batch(args, dims, **params):
@@ -105,41 +113,49 @@ def _batch(args, dims, **params):
   return psum_p.bind(x, **params), d
 
 
-def _lowering(ctx, x, *, axes, axis_size, algorithm, unreduced, site):
+def _lowering(ctx, x, *, axes, axis_size, algorithm, unreduced, site, groups):
   if unreduced:  # summed by the code for a varying input (the same bytes)
     return ji.lower_with_avals(ctx, [common.as_varying(ctx.avals_in[0], axes)], _lowering, x,
                                axes=axes, axis_size=axis_size, algorithm=algorithm,
-                               unreduced=False, site=site)
-  with axes_lib.user_op("psum"):
+                               unreduced=False, site=site, groups=groups)
+  with axes_lib.user_op("psum", site):
     # Groups spanning processes: inside with jax_hoccl, across with jax.lax (across_processes).
-    across = across_processes.lowering_for("psum", ctx, x, axes=axes)
+    across = across_processes.lowering_for("psum", ctx, x, axes=axes, groups=groups)
     if across is not None:
       return across
     return ji.lower_fun(_impl, multiple_results=False)(
         ctx, x, axes=axes, axis_size=axis_size, algorithm=algorithm, unreduced=False,
-        site=site)
+        site=site, groups=groups)
 
 
 psum_p.def_abstract_eval(_abstract_eval)
 ji.register_lowering(psum_p, _lowering)
 ji.deflinear2(psum_p, _transpose)
 ji.primitive_batchers[psum_p] = _batch
+branches.register(psum_p)
 
 
 def psum(x, axis_name, *, axis_index_groups=None):
   """jax.lax.psum with copy-engine data movement. Works on pytrees: leaves of one dtype and
-  type are summed in one exchange per bucket (buckets.py)."""
+  type are summed in one exchange per bucket (buckets.py). axis_index_groups: with
+  check_vma=False, like jax.lax (which refuses them under check_vma=True); groups of unequal
+  sizes gather every block along the axes and sum my group's."""
   vmapped, axis_name = axes_lib.split_vmap_axes(axis_name)
   if vmapped:  # the vmap part stays on the device: jax.lax's
     x = jax.lax.psum(x, vmapped, axis_index_groups=axis_index_groups)
   if not axis_name:  # psum(x, ()) is x, as in jax.lax
     return x
-  axes, n = axes_lib.check_axes(axis_name, "psum", axis_index_groups)
+  axes, n = axes_lib.check_axes(axis_name, "psum")
+  groups = axes_lib.check_groups(axis_index_groups, n, "psum")
   leaves = jax.tree.leaves(x)
   if leaves and not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
     # Constants only (psum(1, axis) is the idiom for the axis size): jax.lax folds them at
     # trace time into constant * n, Python scalars staying Python scalars, and moves nothing.
-    return jax.lax.psum(x, axis_name)
+    return jax.lax.psum(x, axis_name, axis_index_groups=groups)
+  if groups is not None and ji.check_vma_enabled():
+    raise NotImplementedError(
+        "jax_hoccl.psum: axis_index_groups need shard_map(..., check_vma=False), as "
+        "jax.lax.psum's do (it raises NotImplementedError under check_vma=True).")
   if n == 1:  # nothing to exchange: jax.lax's psum over one device is free
     return jax.lax.psum(x, axis_name)
 
@@ -151,21 +167,36 @@ def psum(x, axis_name, *, axis_index_groups=None):
     return common.ensure_varying(leaf, axes, "psum")
 
   def one(leaf):
-    algo = choose_algorithm(leaf.size * leaf.dtype.itemsize, n)
+    algo = choose_algorithm(leaf.size * leaf.dtype.itemsize, axes_lib.group_size(groups, n)
+                            if axes_lib.groups_even(groups) else n)
     unreduced = common.input_state(leaf, axes, "psum") == "unreduced"
     return psum_p.bind(leaf, axes=axes, axis_size=n, algorithm=algo, unreduced=unreduced,
-                       site=axes_lib.new_site())
+                       site=axes_lib.new_site(), groups=groups)
 
   return buckets.elementwise(x, prepare, one)
 
 
 def pmean(x, axis_name, *, axis_index_groups=None):
   """jax.lax.pmean with copy-engine data movement: psum, then a division by the group size,
-  as jax.lax does it (integers become floats). Works on pytrees."""
+  as jax.lax does it (integers become floats). Works on pytrees. With axis_index_groups of
+  unequal sizes each group divides by its own size (jax.lax 0.11.2 divides every group's sum
+  by the first group's size)."""
   vmapped, mesh_axes = axes_lib.split_vmap_axes(axis_name)
   if not mesh_axes:  # nothing crosses devices (a vmap axis, or no axis): jax.lax's
     return jax.lax.pmean(x, axis_name, axis_index_groups=axis_index_groups)
-  _, n = axes_lib.check_axes(mesh_axes, "pmean", axis_index_groups)
+  axes, n = axes_lib.check_axes(mesh_axes, "pmean")
+  groups = axes_lib.check_groups(axis_index_groups, n, "pmean")
+  if groups is not None and ji.check_vma_enabled():
+    raise NotImplementedError(
+        "jax_hoccl.pmean: axis_index_groups need shard_map(..., check_vma=False), as "
+        "jax.lax.pmean's do (it raises NotImplementedError under check_vma=True).")
+  if groups is not None and axes_lib.groups_even(groups):
+    n = axes_lib.group_size(groups, n)
+  elif groups is not None:  # my group's size
+    sizes = np.zeros(n, np.int32)
+    for g in groups:
+      sizes[list(g)] = len(g)
+    n = jnp.asarray(sizes)[jax.lax.axis_index(common.axis_name_arg(axes))]
   if vmapped:
     for a in vmapped:
       n *= jax.lax.axis_size(a)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import branches
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ops import across_processes, buckets, common
 from jax_hoccl._src.ops.all_gather import all_gather_p, gather_stacked
@@ -21,7 +22,7 @@ from jax_hoccl._src.ops.all_to_all import exchange_stacked
 reduce_scatter_p = ji.Primitive("hoccl_reduce_scatter")
 
 
-def _abstract_eval(x, *, axes, axis_size, unreduced, site):
+def _abstract_eval(x, *, axes, axis_size, unreduced, site, groups):
   vma = ji.varying_axes(x)
   if unreduced:  # jax.lax's unreduced_psum_scatter
     if not x.shape or x.shape[0] != axis_size:
@@ -35,14 +36,15 @@ def _abstract_eval(x, *, axes, axis_size, unreduced, site):
   return ji.with_type(x, x.shape[1:], vma, ji.spec_of(x)[1:])
 
 
-def _impl(x, *, axes, axis_size, unreduced, site):
-  got = exchange_stacked(x, axes, axis_size, skip_own=True)  # got[j]: rank j's block for me
-  own = jax.lax.dynamic_index_in_dim(x, common.rank(axes), axis=0, keepdims=False)
-  return common.sum_leading_with_own(got, own, axes)
+def _impl(x, *, axes, axis_size, unreduced, site, groups):
+  # got[j]: rank j's block for me
+  got = exchange_stacked(x, axes, axis_size, skip_own=True, groups=groups)
+  own = jax.lax.dynamic_index_in_dim(x, common.rank(axes, groups), axis=0, keepdims=False)
+  return common.sum_leading_with_own(got, own, axes, groups)
 
 
-def _transpose(ct, x, *, axes, axis_size, unreduced, site):
-  return [gather_stacked(ct, axes, axis_size, reduced=unreduced)]
+def _transpose(ct, x, *, axes, axis_size, unreduced, site, groups):
+  return [gather_stacked(ct, axes, axis_size, reduced=unreduced, groups=groups)]
 
 
 def _batch(args, dims, **params):
@@ -52,16 +54,18 @@ def _batch(args, dims, **params):
   return reduce_scatter_p.bind(x, **params), d - 1
 
 
-def _lowering(ctx, x, *, axes, axis_size, unreduced, site):
+def _lowering(ctx, x, *, axes, axis_size, unreduced, site, groups):
   if unreduced:  # summed by the code for a varying input (the same bytes)
     return ji.lower_with_avals(ctx, [common.as_varying(ctx.avals_in[0], axes)], _lowering, x,
-                               axes=axes, axis_size=axis_size, unreduced=False, site=site)
-  with axes_lib.user_op("psum_scatter"):
-    across = across_processes.lowering_for("reduce_scatter", ctx, x, axes=axes)
+                               axes=axes, axis_size=axis_size, unreduced=False, site=site,
+                               groups=groups)
+  with axes_lib.user_op("psum_scatter", site):
+    across = across_processes.lowering_for("reduce_scatter", ctx, x, axes=axes, groups=groups)
     if across is not None:
       return across
     return ji.lower_fun(_impl, multiple_results=False)(ctx, x, axes=axes, axis_size=axis_size,
-                                                        unreduced=False, site=site)
+                                                        unreduced=False, site=site,
+                                                        groups=groups)
 
 
 reduce_scatter_p.def_abstract_eval(_abstract_eval)
@@ -69,26 +73,29 @@ ji.register_lowering(reduce_scatter_p, _lowering)
 ji.deflinear2(reduce_scatter_p, _transpose)
 
 
-def _all_gather_transpose(ct, x, *, axes, axis_size, invariant, reduced, skip_own, site):
+def _all_gather_transpose(ct, x, *, axes, axis_size, invariant, reduced, skip_own, site,
+                          groups):
   assert not skip_own, "skip_own is for psum's lowering only, never differentiated"
   if reduced:  # the cotangent of a reduced value is unreduced: sum it, as jax.lax does
-    return [reduce_scatter_stacked(ct, axes, axis_size, unreduced=True)]
-  if invariant and ji.check_vma_enabled():
+    return [reduce_scatter_stacked(ct, axes, axis_size, unreduced=True, groups=groups)]
+  if invariant and ji.check_vma_enabled() and groups is None:
     # The cotangent of an invariant output is the same on every rank: take my block.
     rank = jax.lax.axis_index(common.axis_name_arg(axes))
     return [jax.lax.dynamic_index_in_dim(ct, rank, axis=0, keepdims=False)]
-  return [reduce_scatter_stacked(ct, axes, axis_size)]
+  return [reduce_scatter_stacked(ct, axes, axis_size, groups)]
 
 
 # all_gather <-> reduce-scatter transpose into each other; both rules live here.
 ji.deflinear2(all_gather_p, _all_gather_transpose)
 ji.primitive_batchers[reduce_scatter_p] = _batch
+branches.register(reduce_scatter_p)
 
 
-def reduce_scatter_stacked(x, axes, axis_size, unreduced=False):
+def reduce_scatter_stacked(x, axes, axis_size, unreduced=False, groups=None):
   # `site` only makes each bind distinct, so lowerings are not shared between call sites.
   return reduce_scatter_p.bind(x, axes=tuple(axes), axis_size=int(axis_size),
-                               unreduced=bool(unreduced), site=axes_lib.new_site())
+                               unreduced=bool(unreduced), site=axes_lib.new_site(),
+                               groups=groups)
 
 
 def scatter_blocks(x, axes, n, scatter_dimension, tiled, op):
@@ -116,16 +123,20 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
   if axes_lib.split_vmap_axes(axis_name)[0]:  # a vmap axis: jax.lax's (see axes.py)
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
                                 axis_index_groups=axis_index_groups, tiled=tiled)
-  axes, n = axes_lib.check_axes(axis_name, "psum_scatter", axis_index_groups)
+  axes, n = axes_lib.check_axes(axis_name, "psum_scatter")
+  groups = axes_lib.check_groups(axis_index_groups, n, "psum_scatter", even=True)
+  n = axes_lib.group_size(groups, n)
   if n == 1:  # nothing to exchange (a one-device axis): jax.lax's costs nothing
-    return jax.lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension, tiled=tiled)
+    return jax.lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
+                                axis_index_groups=groups, tiled=tiled)
   finish = lambda y: scatter_result(y, scatter_dimension, tiled)  # noqa: E731
 
   leaves, tree = jax.tree.flatten(x)
   blocks = [scatter_blocks(leaf, axes, n, scatter_dimension, tiled, "psum_scatter")
             for leaf in leaves]
   scatter = lambda b: reduce_scatter_stacked(  # noqa: E731
-      b, axes, n, unreduced=common.input_state(b, axes, "psum_scatter") == "unreduced")
+      b, axes, n, unreduced=common.input_state(b, axes, "psum_scatter") == "unreduced",
+      groups=groups)
   out = buckets.combined(
       blocks, lambda b: finish(scatter(b)), pack=lambda b: b.reshape(n, -1), exchange=scatter,
       unpack=lambda part, b: finish(part.reshape(b.shape[1:])))

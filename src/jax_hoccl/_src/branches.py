@@ -1,0 +1,89 @@
+"""Collectives in the branches of jax.lax.cond / jax.lax.switch, of which each rank may take
+another (a rank-dependent predicate).
+
+The CPU engine pairs the ranks' calls by the instruction that makes them (cc/handlers_cpu.cc):
+a psum in branch 0 and the same psum in branch 1 are two instructions, so a rank in one
+branch never met its peers in the other and both timed out, where jax.lax's work. So the cond
+lowering is wrapped: before jax lowers the branches, the n-th collective of one signature
+(primitive, parameters, input types) in each branch gets one site, shared by all branches,
+which the CPU engine pairs as one instruction (cc/job.h ShareSite); the movers such an op
+lowers to inherit shared sites in the same order (axes.user_op). Collectives whose
+signatures differ between the branches still do not meet (jax.lax's would not agree either).
+Not covered: async pairs (their start and done pair by site on GPUs), a cond nested in a
+branch (its own lowering shares its branches' sites, not the outer cond's), and an inner
+jit holding such a cond called twice in one program with both calls independent (the
+instances share the site, so XLA:CPU running them in different orders on different devices
+could pair them wrongly).
+
+The GPU engine pairs calls by per-group sequence numbers, which every branch agrees on
+already; sharing sites changes nothing there.
+"""
+from __future__ import annotations
+
+import threading
+
+from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import jax_internals as ji
+
+_pairable = set()  # the primitives of collectives that may be paired across branches
+_lock = threading.Lock()
+_installed = False
+
+
+def register(prim) -> None:
+  """A collective primitive (with a `site` parameter) whose calls are paired across branches;
+  the first registration wraps jax's cond lowering (install)."""
+  _pairable.add(prim)
+  install()
+
+
+def _signature(eqn):
+  params = tuple(sorted((k, repr(v)) for k, v in eqn.params.items() if k != "site"))
+  return eqn.primitive, params, tuple(str(v.aval) for v in eqn.invars)
+
+
+def _share_sites(branches):
+  """The branches with the n-th collective of each signature on one shared site."""
+  shared = {}
+
+  def one(branch):
+    seen = {}
+
+    def rewrite(eqn):
+      if eqn.primitive not in _pairable:
+        return eqn
+      sig = _signature(eqn)
+      k = seen[sig] = seen.get(sig, -1) + 1
+      if (sig, k) not in shared:
+        shared[(sig, k)] = axes_lib.share_site(eqn.params["site"])
+      return eqn.replace(params={**eqn.params, "site": shared[(sig, k)]})
+
+    return ji.map_eqns(branch, rewrite, skip=(ji.cond_primitive(),))
+
+  return tuple(one(b) for b in branches)
+
+
+def _has_collective(branch) -> bool:
+  found = []
+  ji.map_eqns(branch, lambda e: (found.append(e) if e.primitive in _pairable else None) or e,
+              skip=(ji.cond_primitive(),))
+  return bool(found)
+
+
+def install() -> None:
+  """Wraps jax's cond lowering, once: branches holding jax_hoccl collectives get shared
+  sites; every other cond lowers exactly as before."""
+  global _installed
+  with _lock:
+    if _installed:
+      return
+    jax_rule = {}
+
+    def rule(ctx, index, *args, branches, **params):
+      if (params.get("branches_platforms") is None  # (per-platform branches: all ranks alike)
+          and sum(_has_collective(b) for b in branches) > 1):
+        branches = _share_sites(branches)
+      return jax_rule["rule"](ctx, index, *args, branches=branches, **params)
+
+    jax_rule["rule"], _ = ji.swap_lowering(ji.cond_primitive(), rule)
+    _installed = True
