@@ -112,9 +112,14 @@ def matmul_psum(x, w, axis_name, *, chunks=None):
   """psum(x @ w, axis_name) for x [M, ..., K] (K sharded over the axis) and w [K, N];
   returns [M, ..., N], invariant over the axis. Call inside shard_map.
 
-  chunks: how each rank's M/n-row block is cut for pipelining: None (by size; GEMV shapes
-  get one synchronous psum), 1 (no pipelining: one synchronous psum), an int c (c equal
-  pieces) or a sequence of row counts summing to M/n."""
+  Runs as one flagged GEMM (the ring, then each summed band all-gathered as it is stored;
+  gemm_ring.py) on Hopper GPUs for bf16/f16 with M/n (times the inner dims) % 256 == 0,
+  K % 64 == 0, N % 256 == 0 and chunks=None; else as row-piece GEMMs pipelined with the
+  exchanges.
+
+  chunks: how each rank's M/n-row block is cut for the row-piece pipeline: None (by size;
+  GEMV shapes get one synchronous psum), 1 (no pipelining: one synchronous psum), an int c
+  (c equal pieces) or a sequence of row counts summing to M/n."""
   axes, n = axes_lib.check_axes(axis_name, "matmul_psum")
   x, w = jnp.asarray(x), jnp.asarray(w)
   if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:

@@ -97,8 +97,13 @@ def matmul_reduce_scatter(x, w, axis_name, *, chunks=None):
   (K sharded over the axis: each rank holds a partial product) and w [K, N]; returns
   [M/n, ..., N]. Call inside shard_map.
 
-  chunks: how each rank's M/n-row block is cut into the ring's pieces (bf16/f16): None (2),
-  an int c (c equal pieces) or a sequence of row counts summing to M/n.
+  Runs as one flagged GEMM walking the ring (gemm_ring.py) on Hopper GPUs for bf16/f16 with
+  M/n (times the inner dims) % 256 == 0, K % 64 == 0, N % 256 == 0 and chunks=None; else as a
+  ring of row-piece GEMMs (bf16/f16: cuBLASLt on GPU) or, for other dtypes, one block sent
+  per rank.
+
+  chunks: how each rank's M/n-row block is cut into the row-piece ring's pieces (bf16/f16):
+  None (2), an int c (c equal pieces) or a sequence of row counts summing to M/n.
   Other dtypes send one block per rank and ignore it."""
   axes, n = axes_lib.check_axes(axis_name, "matmul_reduce_scatter")
   x, w = jnp.asarray(x), jnp.asarray(w)

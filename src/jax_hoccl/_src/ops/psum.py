@@ -89,7 +89,7 @@ def two_step(x, axes, n, across=None, groups=None):
   padded = -(-size // n) * n
   if padded != size:
     flat = jnp.pad(flat, (0, padded - size))
-  part = reduce_scatter_stacked(flat.reshape(n, padded // n), axes, n, groups)
+  part = reduce_scatter_stacked(flat.reshape(n, padded // n), axes, n, groups=groups)
   if across is not None:
     part = across(part)
   full = gather_stacked(part, axes, n, invariant=True, groups=groups).reshape(-1)

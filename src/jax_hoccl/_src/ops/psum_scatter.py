@@ -82,7 +82,7 @@ def _all_gather_transpose(ct, x, *, axes, axis_size, invariant, reduced, skip_ow
     # The cotangent of an invariant output is the same on every rank: take my block.
     rank = jax.lax.axis_index(common.axis_name_arg(axes))
     return [jax.lax.dynamic_index_in_dim(ct, rank, axis=0, keepdims=False)]
-  return [reduce_scatter_stacked(ct, axes, axis_size, groups)]
+  return [reduce_scatter_stacked(ct, axes, axis_size, groups=groups)]
 
 
 # all_gather <-> reduce-scatter transpose into each other; both rules live here.
