@@ -42,7 +42,7 @@ BAND_TILES = 8        # row tiles per band of the walk (best of 4/8/16 on H200, 
 COMPUTE_WGS = 2
 # Scope of a flag's release. The readers are copy engines (of this GPU, or a peer's pulling
 # over NVLink), which read through this GPU's L2, so "gpu" orders the rows before the flag for
-# them; "sys" (host-visible ordering) costs ~1.5% of the GEMM's time on H200.
+# them; "sys" (host-visible ordering) cost ~0.5% more of the GEMM's time on H200.
 FLAG_SCOPE = "gpu"
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
@@ -234,7 +234,7 @@ def _kernel_body(lay: _Layout, *refs):
     rank = rank_gmem[0] if rank_gmem is not None else None
     # A tile's flag is raised (after its stores complete) at the start of the next tile's
     # epilogue, once its mainloop gave the stores time to land: raising it right after the
-    # stores makes the warpgroup wait for them, ~1.5% of the GEMM's time on H200. In a walk
+    # stores makes the warpgroup wait for them, ~1% of the GEMM's time on H200. In a walk
     # that waits it is raised at once: a deferred flag could wait for a tile that waits for a
     # peer that waits for this flag.
     defer = ordered and lay.ready_rows == 0
