@@ -19,16 +19,8 @@ pytestmark = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 
 
 def _driver():
-  from cuda.bindings import driver as cu
-
-  def ck(r):
-    err = r[0] if isinstance(r, tuple) else r
-    if int(err) != 0:
-      raise RuntimeError(f"CUDA driver error {err}")
-    return r[1] if isinstance(r, tuple) and len(r) == 2 else r
-
-  ck(cu.cuInit(0))
-  return cu, ck
+  from jax_hoccl.bench.gemm import cuda_driver
+  return cuda_driver()
 
 
 def _rand(shape, dtype, seed, scale=1.0):

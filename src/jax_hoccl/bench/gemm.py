@@ -59,15 +59,9 @@ def bench_gemm(shapes=SHAPES):
   return rows
 
 
-def bench_flag_latency(reps=50):
-  """[{"what", "time_us"}]: a stream's cuStreamWaitValue32 released by a cuStreamWriteValue32
-  on another stream, from an event just before the write to one just after the wait (median):
-  the latency between a raised flag and the start of the copy waiting on it."""
-  import jax.numpy as jnp
-  try:
-    from cuda.bindings import driver as cu
-  except ImportError:
-    return []
+def cuda_driver():
+  """(cuda.bindings' driver module, ck): ck(result) raises on an error and unwraps a value."""
+  from cuda.bindings import driver as cu
 
   def ck(r):
     err = r[0] if isinstance(r, tuple) else r
@@ -76,6 +70,18 @@ def bench_flag_latency(reps=50):
     return r[1] if isinstance(r, tuple) and len(r) == 2 else r
 
   ck(cu.cuInit(0))
+  return cu, ck
+
+
+def bench_flag_latency(reps=50):
+  """[{"what", "time_us"}]: a stream's cuStreamWaitValue32 released by a cuStreamWriteValue32
+  on another stream, from an event just before the write to one just after the wait (median):
+  the latency between a raised flag and the start of the copy waiting on it."""
+  import jax.numpy as jnp
+  try:
+    cu, ck = cuda_driver()
+  except ImportError:
+    return []
   flags = jnp.zeros((2 * reps,), jnp.int32)
   flags.block_until_ready()
   base = flags.unsafe_buffer_pointer()
