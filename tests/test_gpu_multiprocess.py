@@ -154,15 +154,22 @@ FAILURE_WORKER = PRELUDE + textwrap.dedent("""
     psum = fn(lambda v: jax_hoccl.psum(v, "tp"))
     psum(x).block_until_ready()  # the group is set up
     mode = os.environ["MODE"]
+    if mode == "absent_fused":  # matmul_reduce_scatter on the flagged GEMM (Hopper, bf16)
+        w = jnp.zeros((512, 768), jnp.bfloat16)
+        xf = shard(np.ones((2 * 512, 512), jnp.bfloat16))
+        fused = fn(lambda v: jax_hoccl.matmul_reduce_scatter(v, w, "tp"))
+        fused.lower(xf).compile()
     t0 = time.time()
     try:
         if me == 1 and mode == "exit":
             os._exit(0)
-        if me == 1 and mode == "absent":
+        if me == 1 and mode in ("absent", "absent_fused"):
             time.sleep(20)
             os._exit(0)
         if me == 1 and mode == "mismatch":  # the same input, another op at the same point
             fn(lambda v: jax_hoccl.all_to_all(v, "tp", 0, 0, tiled=True))(x).block_until_ready()
+        elif mode == "absent_fused":
+            fused(xf).block_until_ready()
         else:
             psum(x).block_until_ready()
     except Exception as e:
@@ -299,6 +306,12 @@ def test_peer_that_never_calls(tmp_path):
   out = _run(tmp_path, FAILURE_WORKER, 120, {"MODE": "absent", "JAX_HOCCL_TIMEOUT_S": "5"})[0]
   assert "ERROR after" in out and "timed out after 5 s" in out, out[-3000:]
   assert "jax_hoccl psum (all_gather)" in out and "rank 1 (device" in out, out[-3000:]
+
+
+def test_peer_that_never_calls_the_flagged_gemm_op(tmp_path):
+  out = _run(tmp_path, FAILURE_WORKER, 120, {"MODE": "absent_fused", "JAX_HOCCL_TIMEOUT_S": "5"})[0]
+  assert "ERROR after" in out and "timed out after 5 s" in out, out[-3000:]
+  assert "jax_hoccl matmul_reduce_scatter" in out and "rank 1 (device" in out, out[-3000:]
 
 
 def test_peer_that_exits(tmp_path):

@@ -1,6 +1,9 @@
 """all_gather_matmul(x, w, axis) == all_gather(x, axis, tiled=True) @ w, with the gather
-hidden behind the matmul: the peers' rows are pulled by copy engines while XLA multiplies
+hidden behind the matmul: the peers' rows are pulled by copy engines while the SMs multiply
 this rank's own rows (the column-parallel linear layer of sequence-parallel Megatron).
+
+On Hopper GPUs (bf16/f16, shapes that tile) it is one flagged GEMM that multiplies the peers'
+rows as they land (gather_into_gemm.py). Elsewhere, as follows.
 
 The GEMM on this rank's rows must run between start and done. When it was XLA's dot on x
 behind an optimization barrier, XLA moved it above the start on GPU: the copies then waited

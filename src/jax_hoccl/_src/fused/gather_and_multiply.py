@@ -1,5 +1,6 @@
 """all_gather(x, tiled=True) @ w with the gather behind the GEMM: all_gather_matmul's forward
-pass and matmul_reduce_scatter's backward (all_gather_matmul.py says why it is built so)."""
+pass and matmul_reduce_scatter's backward (all_gather_matmul.py says why it is built so): one
+flagged GEMM where it applies (gather_into_gemm.py), else a gather beside row GEMMs."""
 from __future__ import annotations
 
 import jax.numpy as jnp

@@ -73,7 +73,8 @@ def gather_into_gemm(x, w, axes, n):
   """(all_gather(x) @ w in rank order, the peers' rows [n-1, m, K] rotated as peers_only).
   x is 2-D [m, K]; applies(x, w, n) must hold."""
   x = common.ensure_varying(x, axes, OP)
-  site = axes_lib.new_site()
+  with axes_lib.user_op(OP):  # errors name the op the user called
+    site = axes_lib.new_site()
   gathered, ready, token = announced_gather_start_p.bind(
       x, axes=tuple(axes), axis_size=int(n), ready_rows=READY_ROWS, site=site)
   rank = common.rank(axes).astype(np.int32).reshape(1)

@@ -102,7 +102,8 @@ def _ring(x, w, axes, n, gather):
   x = common.ensure_varying(x, axes, op)
   rows, nout = x.shape[0] // n, w.shape[1]
   band = band_rows(rows)
-  site = axes_lib.new_site()
+  with axes_lib.user_op(op):  # errors name the op the user called
+    site = axes_lib.new_site()
   *bufs, token = gemm_ring_start_p.bind(
       x, axes=tuple(axes), axis_size=int(n), rows=rows, band_rows=band, dtype=np.dtype(x.dtype),
       n_out=nout, gather=bool(gather), site=site)
