@@ -65,7 +65,7 @@ def flax_step(lib, mesh):
 
 
 def measure(make, lib, mesh, reps):
-  jax_hoccl.route_psums(lib is jax_hoccl)
+  jax_hoccl.route_collectives(lib is jax_hoccl)
   try:
     with jax.set_mesh(mesh):
       low, comp = [], []
@@ -81,7 +81,7 @@ def measure(make, lib, mesh, reps):
           comp.append(t2 - t1)
       return 1e3 * statistics.median(low), 1e3 * statistics.median(comp), lowered
   finally:
-    jax_hoccl.route_psums(False)
+    jax_hoccl.route_collectives(False)
 
 
 def main():

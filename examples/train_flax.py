@@ -14,12 +14,12 @@ What it shows
   * Data parallelism over 'dp' left to JAX: the parameters are replicated over 'dp', so the
     gradient sum over 'dp' (and over 'tp' for the parameters replicated there) is the
     transpose of an implicit pvary that JAX inserts itself, and the reported loss is a plain
-    `jax.lax.psum`. `jax_hoccl.route_psums()` is the one switch that puts all of those on
+    `jax.lax.psum`. `jax_hoccl.route_collectives()` is the one switch that puts all of those on
     jax_hoccl. The script checks that the jax_hoccl train step compiles to no XLA
     collective at all.
   * With --check (the default) it trains twice from the same init on the same data: jax_hoccl
-    (route_psums on, C = jax_hoccl) and jax.lax (route_psums off, C = jax.lax), compares the
-    loss curves (float32, rtol 1e-4), prints MATCH or FAIL and exits non-zero on a mismatch.
+    (route_collectives on, C = jax_hoccl) and jax.lax (route_collectives off, C = jax.lax),
+    compares the loss curves (float32, rtol 1e-4), prints MATCH or FAIL and exits non-zero on a mismatch.
 
 The task: next-token prediction on sequences x[t+1] = (3 x[t] + 7) mod V from random starts;
 an MLP per token can learn it, and the script asserts the final loss is below half the first.
@@ -158,7 +158,7 @@ def train(impl: str, args, mesh):
   """Trains from the same init on the same data; returns (losses, XLA collectives in the
   compiled step)."""
   C = jax_hoccl if impl == "hoccl" else jax.lax
-  was = jax_hoccl.route_psums(impl == "hoccl")  # JAX's own psums: jax_hoccl's or XLA's
+  was = jax_hoccl.route_collectives(impl == "hoccl")  # jax.lax's and JAX's own collectives: jax_hoccl's or XLA's
   try:
     with jax.set_mesh(mesh):
       model = Model(args.vocab, args.d, args.hidden, args.seq, args.layers, nnx.Rngs(args.seed))
@@ -179,7 +179,7 @@ def train(impl: str, args, mesh):
         params, opt_state, loss = step(params, opt_state, tokens, targets)
         losses.append(float(loss))
   finally:
-    jax_hoccl.route_psums(was)
+    jax_hoccl.route_collectives(was)
   return np.array(losses), found
 
 

@@ -1,5 +1,5 @@
 """examples/train_flax.py, a Flax NNX + optax data x tensor-parallel model, run as a user runs
-it: its jax_hoccl step (route_psums on, jax_hoccl's tensor-parallel collectives) must compile
+it: its jax_hoccl step (route_collectives on, jax_hoccl's tensor-parallel collectives) must compile
 to no XLA collective, learn, and give the loss curve of the same run on jax.lax. Skips when
 flax or optax is not installed (they are example extras: pip install ".[examples]")."""
 import importlib.util

@@ -378,9 +378,9 @@ def test_host_profile_counts_handler_calls(enabled):
   assert res["cleared"] == res["after"]  # reading without reset keeps the counts
 
 
-def test_route_psums_puts_jax_own_sums_on_jax_hoccl():
+def test_route_collectives_puts_jax_own_sums_on_jax_hoccl():
   """A plain data-parallel gradient (replicated weight, sharded data, check_vma=True): JAX
-  inserts the gradient all-reduce itself. With jax_hoccl.route_psums() it lowers to jax_hoccl
+  inserts the gradient all-reduce itself. With jax_hoccl.route_collectives() it lowers to jax_hoccl
   (no XLA all-reduce left), as does an explicit jax.lax.psum; the values are jax.lax's; off
   again, XLA's all-reduce is back."""
   mesh = jax.make_mesh((8,), ("dp",), devices=jax.devices("cpu")[:8])
@@ -397,7 +397,7 @@ def test_route_psums_puts_jax_own_sums_on_jax_hoccl():
   ref = make()
   want = ref(w, x)
   assert "all_reduce" in ref.lower(w, x).as_text()
-  was = hc.route_psums()
+  was = hc.route_collectives()
   try:
     routed = make()
     text = routed.lower(w, x).as_text()
@@ -406,5 +406,5 @@ def test_route_psums_puts_jax_own_sums_on_jax_hoccl():
     for g, r in zip(got, want):
       np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
   finally:
-    hc.route_psums(was)
+    hc.route_collectives(was)
   assert "all_reduce" in make().lower(w, x).as_text()

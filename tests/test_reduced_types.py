@@ -41,14 +41,14 @@ def run_both(body, out_specs, *args, in_specs=ALL, route_ours=False):
       types[name] = jax.tree.map(lambda v: str(jax.typeof(v)), out)
       return out
     f = jax.jit(jax.shard_map(fn, mesh=MESH, in_specs=in_specs, out_specs=out_specs))
-    was = hc.route_psums(route_ours and name == "ours")
+    was = hc.route_collectives(route_ours and name == "ours")
     try:
       with jax.set_mesh(MESH):
         if name == "ours":
           assert_lowers_to_ours(f, *args)
         results[name] = f(*args)
     finally:
-      hc.route_psums(was)
+      hc.route_collectives(was)
   return results["ours"], results["lax"], types["ours"], types["lax"]
 
 
@@ -165,7 +165,7 @@ def test_gradients_equal_lax(loss, with_weight):
   a = put(rand(rng, (16, 12), np.float32))
   if with_weight:
     # w is replicated over "x": its gradient's sum over "x" is JAX's own (the transpose of
-    # an implicit pvary), which route_psums puts on jax_hoccl.
+    # an implicit pvary), which route_collectives puts on jax_hoccl.
     w = put(rand(rng, (12, 8), np.float32), P(None, "y"))
     body = lambda lib, a, w: jax.grad(lambda w: loss(lib, a, w))(w)  # noqa: E731
     ours, ref, t_ours, t_ref = run_both(body, P(None, "y"), a, w,

@@ -20,7 +20,7 @@ from jax_hoccl._src.ops.ppermute import ppermute
 from jax_hoccl._src.ops.pmax import pmax, pmin
 from jax_hoccl._src.ops.psum import pmean, psum, psum_algorithm
 from jax_hoccl._src.ops.psum_scatter import psum_scatter
-from jax_hoccl._src.routing import route_psums
+from jax_hoccl._src.routing import route_collectives
 from jax_hoccl._src.explicit_axes import typed_like as _typed_like
 
 import jax as _jax
@@ -51,6 +51,6 @@ __all__ = [
     "all_gather_matmul", "matmul_reduce_scatter", "matmul_psum", "matmul_all_to_all",
     "embedding_all_to_all",
     # JAX's own psums (jax.lax.psum, implicit gradient sums) on jax_hoccl
-    "route_psums",
+    "route_collectives",
     "with_cuda",
 ]

@@ -136,28 +136,49 @@ def lower_with_avals(ctx, avals_in, rule, *args, **params):
   return out
 
 
-def psum_invariant_primitive():
-  """The primitive jax.lax.psum binds under check_vma=True, and the one JAX inserts itself as
-  the transpose of an implicit pvary (the gradient sum of a replicated parameter)."""
+# jax.lax's collectives inside shard_map, by primitive name: what route_collectives lowers
+# through jax_hoccl (routing.py). The reduced/unreduced variants and jax's own async
+# start/done pairs are not among them.
+LAX_COLLECTIVES = ("psum", "psum_invariant", "pmax", "pmin", "all_gather",
+                   "all_gather_invariant", "reduce_scatter", "all_to_all", "ppermute")
+
+
+def lax_collective_primitives() -> dict:
+  """{name: primitive} of LAX_COLLECTIVES, each with a lowering; fails loudly if this jax
+  lacks one (route_collectives would silently leave it on XLA)."""
   from jax._src.lax import parallel
-  prim = getattr(parallel, "psum_invariant_p", None)
-  if prim is None or prim not in mlir._lowerings:
-    raise RuntimeError(f"jax {jax.__version__} has no psum_invariant primitive with a lowering "
-                       "as jax 0.11.2 has: jax_hoccl.route_psums cannot take it over.")
-  return prim
+  prims = {}
+  for name in LAX_COLLECTIVES:
+    prim = getattr(parallel, f"{name}_p", None)
+    if prim is None or prim not in mlir._lowerings:
+      raise RuntimeError(f"jax {jax.__version__} has no {name} primitive with a lowering as "
+                         "jax 0.11.2 has: jax_hoccl.route_collectives cannot take it over.")
+    prims[name] = prim
+  return prims
 
 
 def swap_lowering(prim, rule):
-  """Replaces prim's lowering (every platform); returns (its old rule, a function that puts
-  the old one back). jax keeps each rule in an entry object with the callable as .rule."""
-  entry = mlir._lowerings[prim]
-  old_rule = getattr(entry, "rule", entry)
+  """Replaces prim's lowering on every platform (the generic one and the platform-specific
+  ones jax registers, e.g. all_gather's for cuda); returns (old(platform): the rule it had
+  there, a function that puts every old one back). jax keeps each rule in an entry object
+  with the callable as .rule."""
+  generic = mlir._lowerings[prim]
+  specific = {p: table[prim] for p, table in mlir._platform_specific_lowerings.items()
+              if prim in table}
   mlir.register_lowering(prim, rule)
+  for platform in specific:
+    mlir.register_lowering(prim, rule, platform=platform)
+
+  def old(platform):
+    entry = specific.get(platform, generic)
+    return getattr(entry, "rule", entry)
 
   def restore():
-    mlir._lowerings[prim] = entry
+    mlir._lowerings[prim] = generic
+    for platform, entry in specific.items():
+      mlir._platform_specific_lowerings[platform][prim] = entry
 
-  return old_rule, restore
+  return old, restore
 
 
 def ppermute_axis_order_checked() -> bool:
