@@ -263,6 +263,28 @@ FLAGGED_WORKER = PRELUDE + textwrap.dedent("""
     x = shard(np.ones((100, k), np.float32).astype(jnp.bfloat16))
     text = fn(lambda v: jax_hoccl.all_gather_matmul(v, w, "tp")).lower(x).as_text()
     assert "hoccl_announced_gather_start" not in text
+
+    # jax.lax code, unedited, on jax_hoccl through route_collectives (jax.lax's own NCCL
+    # refuses two ranks on one GPU)
+    xs = [np.random.default_rng(20 + r).standard_normal((8, 16)).astype(np.float32) for r in range(n)]
+    x = shard(xs[me])
+    jax_hoccl.route_collectives()
+    lax_body = lambda v: (jax.lax.psum(v, "tp") + jax.lax.pmax(v, "tp")
+                          + jax.lax.all_gather(v, "tp", tiled=True)[:8] * 0
+                          + jax.lax.ppermute(v, "tp", [(i, (i + 1) % n) for i in range(n)]))
+    got = mine(fn(lax_body)(x))
+    want = sum(xs) + np.max(xs, 0) + xs[(me - 1) % n]
+    assert np.abs(got - want).max() < 1e-4, np.abs(got - want).max()
+    # (f32 GEMMs at full precision: XLA:GPU's default TF32 alone missed 1e-3 here)
+    loss = lambda w, v: jnp.sum(jnp.tanh(jnp.dot(v, w, precision="highest")))
+    grads = jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P(), spec),
+                                  out_specs=P()))
+    w16 = np.random.default_rng(9).standard_normal((16, 4)).astype(np.float32)
+    text = grads.lower(w16, x).as_text()
+    assert "hoccl_" in text and "all_reduce" not in text, text[:1500]
+    want = sum((1 - np.tanh(xx @ w16) ** 2).T @ xx for xx in xs).T
+    assert np.abs(mine(grads(w16, x)) - want).max() < 1e-3 * max(1.0, np.abs(want).max())
+    print("OK routed jax.lax collectives", flush=True)
     print("GPU_MP_OK", flush=True)
     os._exit(0)
 """)
