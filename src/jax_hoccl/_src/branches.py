@@ -83,7 +83,8 @@ def install() -> None:
       if (params.get("branches_platforms") is None  # (per-platform branches: all ranks alike)
           and sum(_has_collective(b) for b in branches) > 1):
         branches = _share_sites(branches)
-      return jax_rule["rule"](ctx, index, *args, branches=branches, **params)
+      jax_own = jax_rule["old"](ctx.module_context.platforms[0])
+      return jax_own(ctx, index, *args, branches=branches, **params)
 
-    jax_rule["rule"], _ = ji.swap_lowering(ji.cond_primitive(), rule)
+    jax_rule["old"], _ = ji.swap_lowering(ji.cond_primitive(), rule)
     _installed = True
