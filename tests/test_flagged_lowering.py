@@ -22,6 +22,15 @@ START = {"all_gather_matmul": "hoccl_announced_gather_start",
 K, N = 512, 768
 
 
+@pytest.fixture(autouse=True)
+def cuda_targets(monkeypatch):
+  """Lowering for CUDA only names the handlers (they run on a GPU): a build without the CUDA
+  engine (nvcc absent) lowers the same program once its targets are listed for CUDA."""
+  from jax_hoccl._src import ffi_targets
+  monkeypatch.setattr(ffi_targets, "TARGETS", {
+      name: tuple(set(platforms) | {"CUDA"}) for name, platforms in ffi_targets.TARGETS.items()})
+
+
 @pytest.fixture
 def hopper(monkeypatch):
   """Trace as if the mesh's devices were Hopper GPUs with 132 SMs."""
