@@ -28,6 +28,14 @@ def plot(result: dict, out_dir: str) -> list[str]:
   os.makedirs(out_dir, exist_ok=True)
   title = f"{result['machine']}, jax {result['jax']}, {result['commit']}, {result['date']}"
   written = []
+
+  def save(fig, name):
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
   rows = result.get("collectives", [])
   ops = list(dict.fromkeys(r["op"] for r in rows if r["impl"] == "jax_hoccl"))
   if ops:
@@ -48,10 +56,7 @@ def plot(result: dict, out_dir: str) -> list[str]:
       ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    written.append(os.path.join(out_dir, "busbw.png"))
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(save(fig, "busbw.png"))
   lat = result.get("device_latency", [])
   if lat:
     fig, ax = plt.subplots(figsize=(7, 3.6))
@@ -65,10 +70,7 @@ def plot(result: dict, out_dir: str) -> list[str]:
     ax.set_ylabel("device time per op (us)")
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    written.append(os.path.join(out_dir, "small_ops.png"))
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(save(fig, "small_ops.png"))
   fused = result.get("fused", [])
   if fused:
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(fused) + 1.2))
@@ -79,8 +81,5 @@ def plot(result: dict, out_dir: str) -> list[str]:
     ax.set_yticks(range(len(fused)), names, fontsize=6)
     ax.set_xlabel("time / GEMM alone (1 = exchange fully hidden)")
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    written.append(os.path.join(out_dir, "fused.png"))
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(save(fig, "fused.png"))
   return written

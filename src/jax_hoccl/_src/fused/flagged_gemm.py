@@ -33,6 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_hoccl._src import jax_internals as ji
+from jax_hoccl._src.ops import common
+
 TILE_M = 128          # rows of a CTA tile (and the granularity of flags)
 TILE_N = 128          # columns per compute warpgroup; a CTA tile is 2 * TILE_N wide
 TILE_K = 64
@@ -101,8 +104,9 @@ _COMPUTE_BARRIER = 8
 def _raise_flag(flag_ref, ordered: bool):
   """flags += 1 for this CTA tile, after both compute warpgroups' stores are in memory: each
   waits for its TMA stores and fences the async proxy, the two meet at a named barrier, and
-  one thread releases the add. (A release per warpgroup cost twice the ~1.2% of GEMM time
-  that releases take on H200; a relaxed add costs nothing measurable but orders nothing.)
+  one thread releases the add. (On H200 one release per warpgroup and tile cost ~1.2% of the
+  GEMM's time, one per CTA tile 0.5-0.9%; a relaxed add measured like no raise but orders
+  nothing: benchmarks/probe_flag_cost.py.)
 
   ordered=False: raised before the tile is even computed, only by the test that proves the
   ordering matters (a copy started on such a flag sees stale rows)."""
@@ -329,9 +333,10 @@ def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
                 ready_rows=TILE_M, ready_value=1, flags=None, flag_rows=TILE_M, _ordered=True):
   """Runs a walk (module docstring): every WalkBlock's R = `rows` rows of out = a @ w (+ c).
   operands: arrays [., K] (a) or [., N] (c, out written in place); result: (rows, dtype) of
-  the kernel's own result (Rows.ref RESULT), or None. Returns the result, or a token (int32
-  [128]) when there is none: every later reader of an operand written in place (and of
-  `flags`) must depend on it. rank: int32 [1], for Rows.by_rank. ready: int32 [2 * flags]
+  the kernel's own result (Rows.ref RESULT), or None. Returns the result (typed varying as
+  its operands are), or a token (int32 [128]) when there is none: every later reader of an
+  operand written in place (and of `flags`) must depend on it. rank: this rank (an int32
+  scalar, e.g. axis_index), for Rows.by_rank. ready: int32 [2 * flags]
   (uint64 flags) per ready_rows rows of the operands waited for. flags: int32
   [len(walk) * rows // flag_rows], per flag_rows rows of the walk (those of blocks with
   `flag` are raised), zero before the kernel."""
@@ -346,7 +351,7 @@ def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
   if reason:
     raise ValueError(f"jax_hoccl flagged GEMM: unsupported {reason}")
   blocks_of = [x.shape[0] // rows for x in operands] + ([result[0] // rows] if result else [])
-  for name, x in zip(range(len(operands)), operands):
+  for name, x in enumerate(operands):
     if x.shape[0] % rows:
       raise ValueError(f"jax_hoccl flagged GEMM: operand {name} has {x.shape[0]} rows, not a "
                        f"multiple of R={rows}")
@@ -369,8 +374,15 @@ def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
       functools.partial(_kernel_body, lay), out_type=out_type,
       grid=(_sm_count(),), grid_names=("sm",), num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  if rank is not None:
+    rank = jnp.asarray(rank, jnp.int32).reshape(1)  # read in-kernel from global memory
   extra = [x for x in (rank, ready, flags) if x is not None]
-  return kernel(w, *operands, *extra)
+  out = kernel(w, *operands, *extra)
+  if result is None:
+    return out
+  # a Pallas kernel's result carries no varying type: it varies as its operands do
+  vma = set().union(*(ji.varying_axes(jax.typeof(x)) for x in (w, *operands)))
+  return common.ensure_varying(out, tuple(vma), "flagged GEMM")
 
 
 def flagged_matmul(a, b, *, c=None, out=None, flags=None, flag_rows=TILE_M, _ordered=True):

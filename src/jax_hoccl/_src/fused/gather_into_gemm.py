@@ -12,7 +12,6 @@ consumer side of fused/flagged_gemm.py): all_gather_matmul's forward pass on Hop
 """
 from __future__ import annotations
 
-import jax
 import numpy as np
 
 from jax_hoccl._src import axes as axes_lib
@@ -45,8 +44,7 @@ def _abstract_eval(x, *, axes, axis_size, ready_rows, site):
 def _lowering(ctx, x, *, axes, axis_size, ready_rows, site):
   row_bytes = int(np.prod(ctx.avals_in[0].shape[1:], dtype=np.int64)) * np.dtype(
       ctx.avals_in[0].dtype).itemsize
-  return ffi_lower("hoccl_announced_gather_start", "all_gather_matmul", ctx, x,
-                   **start_attrs(ctx, axes, "all_gather_matmul", site),
+  return ffi_lower("hoccl_announced_gather_start", OP, ctx, x, **start_attrs(ctx, axes, OP, site),
                    announce_bytes=np.int64(ready_rows * row_bytes))
 
 
@@ -77,12 +75,8 @@ def gather_into_gemm(x, w, axes, n):
     site = axes_lib.new_site()
   gathered, ready, token = announced_gather_start_p.bind(
       x, axes=tuple(axes), axis_size=int(n), ready_rows=READY_ROWS, site=site)
-  rank = common.rank(axes).astype(np.int32).reshape(1)
   out = fg.walk_matmul(w, [x, gathered.reshape(-1, x.shape[1])], walk(n), x.shape[0],
-                       result=(n * x.shape[0], x.dtype), rank=rank, ready=ready,
+                       result=(n * x.shape[0], x.dtype), rank=common.rank(axes), ready=ready,
                        ready_rows=READY_ROWS)
-  # a Pallas kernel's result carries no varying type: it varies as its operands do
-  vma = ji.varying_axes(jax.typeof(x)) | ji.varying_axes(jax.typeof(w))
-  out = common.ensure_varying(out, tuple(vma), OP)
   peers, out = ac.done(Pending(gathered, x, token, site, lambda b: b), out)  # after the GEMM
   return out, peers

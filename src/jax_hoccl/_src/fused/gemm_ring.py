@@ -21,7 +21,6 @@ GEMM.
 """
 from __future__ import annotations
 
-import jax
 import numpy as np
 
 from jax_hoccl._src import axes as axes_lib
@@ -108,17 +107,13 @@ def _ring(x, w, axes, n, gather):
       x, axes=tuple(axes), axis_size=int(n), rows=rows, band_rows=band, dtype=np.dtype(x.dtype),
       n_out=nout, gather=bool(gather), site=site)
   send, recv, flags, ready = bufs[:4]
-  rank = common.rank(axes).astype(np.int32).reshape(1)
   operands = [x, send, recv] + bufs[4:]
   kernel_out = fg.walk_matmul(w, operands, walk(n, gather), rows,
-                              result=None if gather else (rows, x.dtype), rank=rank, ready=ready,
-                              ready_rows=band, flags=flags, flag_rows=band)
+                              result=None if gather else (rows, x.dtype), rank=common.rank(axes),
+                              ready=ready, ready_rows=band, flags=flags, flag_rows=band)
   if gather:  # the output, once the peers' summed blocks have landed in it
     out, _ = ac.done(Pending(bufs[4], x, token, site, lambda b: b), kernel_out)
     return out
-  # a Pallas kernel's result carries no varying type: it varies as its operands do
-  vma = ji.varying_axes(jax.typeof(x)) | ji.varying_axes(jax.typeof(w))
-  kernel_out = common.ensure_varying(kernel_out, tuple(vma), op)
   _, out = ac.done(Pending(send, x, token, site, lambda b: b), kernel_out)  # after the GEMM
   return out
 
