@@ -368,15 +368,15 @@ ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBu
     if (!err.success()) return err;
   }
   if (gather) {
-    OpSpec spec;  // only for my rank
-    std::vector<int64_t> ids;
-    ffi::Error err = DecodeOp(OpKind::kPermute, GlobalDeviceId(device), band_bytes, band_bytes,
-                              groups, group_size, next, false, &spec, &ids);
-    if (!err.success()) return err;
-    const size_t r = static_cast<size_t>(spec.rank);
+    GroupPosition pos;  // my rank
+    std::string found = FindGroup(groups.begin(), groups.size(), group_size,
+                                  GlobalDeviceId(device), &pos);
+    if (!found.empty()) return ffi::Error::InvalidArgument(std::string(op) + found);
+    const size_t r = static_cast<size_t>(pos.rank);
     char* out_at = static_cast<char*>((*out)->untyped_data());
     for (size_t b = 0; b < block_bands; ++b) {
-      if (!(err = gate(bands + b)).success()) return err;
+      ffi::Error err = gate(bands + b);
+      if (!err.success()) return err;
       for (size_t k = 1; k < n; ++k) {  // my band to rank r + k; rank r - k's into its slot
         const std::vector<int64_t> dst = shift(k);
         err = EnqueueExchange(OpKind::kPermute, stream->first, stream->second, device,
