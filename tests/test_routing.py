@@ -86,7 +86,8 @@ def test_one_device_axis_stays_xla_and_does_not_recurse():
 def test_switch_reports_its_previous_state():
   was = hc.route_collectives()
   try:
-    assert hc.route_collectives() is True   # already on
+    assert hc.route_collectives() is True        # already on
+    assert hc.route_collectives(False) is True   # was on, now off
+    assert hc.route_collectives(False) is False  # already off
   finally:
     hc.route_collectives(was)
-  assert hc.route_collectives(False) is was or was is False
