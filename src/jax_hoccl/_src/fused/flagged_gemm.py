@@ -18,11 +18,12 @@ Why our own kernel: cuBLAS cannot say which tiles are done (CUDA 13 removed its 
 counters), and cutting a cuBLAS GEMM into row pieces costs 4-13% per piece (docs/design.md).
 
 Layout of the work: CTA tiles of 128 x 256 output elements (two compute warpgroups side by side
-on N, one warpgroup issuing TMA loads), walked in bands of BAND_TILES row tiles (all columns of
-a band before the next band, rows minor inside it), so blocks of rows finish in order and the
-band's slice of `a` stays in L2. A block whose rows copy engines read is written in place into
-an operand (the addresses must be known to the copy-engine streams before the kernel runs);
-the kernel's own result (or a token) orders every later reader after it.
+on N, one warpgroup issuing TMA loads, one wgmma left in flight behind the one issued), walked
+in bands of BAND_TILES row tiles (all columns of a band before the next band, rows minor inside
+it), so blocks of rows finish in order and the band's slice of `a` stays in L2. A block whose
+rows copy engines read is written in place into an operand (the addresses must be known to the
+copy-engine streams before the kernel runs); the kernel's own result (or a token) orders every
+later reader after it.
 """
 from __future__ import annotations
 
@@ -43,10 +44,12 @@ EPI = 64              # epilogue sub-tile (rows and columns) staged through shar
 PIPELINE_STEPS = 4    # k-steps of a and b in flight
 BAND_TILES = 8        # row tiles per band of the walk (best of 4/8/16 on H200, docs/design.md)
 COMPUTE_WGS = 2
-WGMMA_IN_FLIGHT = 0   # k-steps whose wgmma may still run when the next one is issued
-CLUSTER_M = 1         # CTAs per cluster along M (2: they share each k-step of w by multicast)
-FLAG_STEP = None      # k-step of the next tile at which a tile's flag is raised (None: after
-                      # the next tile's mainloop)
+# k-steps whose wgmma may still run when the next is issued (their a and w stay in shared
+# memory that long). On H200 1 took the kernel from 0.983x to 0.993x XLA's dot (4096x8192x8192,
+# flags on), and it hides the flags' cost; clusters of two CTAs sharing w by multicast, and
+# raising the flag early in the next tile's mainloop, were slower
+# (benchmarks/results/raw/2026-12-01-1xH200-gemm-variants.txt).
+WGMMA_IN_FLIGHT = 1
 # Scope of a flag's release. The readers are copy engines (of this GPU, or a peer's pulling
 # over NVLink), which read through this GPU's L2, so "gpu" orders the rows before the flag for
 # them; "sys" (host-visible ordering) cost ~0.5% more of the GEMM's time on H200.
@@ -215,8 +218,6 @@ def _kernel_body(lay: _Layout, *refs):
   block_tiles = lay.rows // TILE_M
   m_tiles, n_tiles, k_steps = len(lay.walk) * block_tiles, lay.n // cta_n, lay.k // TILE_K
   band = min(BAND_TILES, m_tiles)
-  if m_tiles % CLUSTER_M or block_tiles % CLUSTER_M:
-    raise ValueError(f"jax_hoccl flagged GEMM: blocks of {lay.rows} rows do not pair CTAs")
   epi_tiles = [(i, j) for i in range(TILE_M // EPI) for j in range(TILE_N // EPI)]
   ordered = lay.ordered
   has_c = any(blk.c is not None for blk in lay.walk)
@@ -227,8 +228,7 @@ def _kernel_body(lay: _Layout, *refs):
         in_specs=[plgpu.BlockSpec((TILE_M, TILE_K), lambda s: (0, s), transforms=in_transforms,
                                   memory_space=plgpu.SMEM, delay_release=WGMMA_IN_FLIGHT),
                   plgpu.BlockSpec((TILE_K, cta_n), lambda s: (s, 0), transforms=in_transforms,
-                                  memory_space=plgpu.SMEM, delay_release=WGMMA_IN_FLIGHT,
-                                  collective_axes=("cluster",) if CLUSTER_M > 1 else ())],
+                                  memory_space=plgpu.SMEM, delay_release=WGMMA_IN_FLIGHT)],
         wg_axis="wg", num_compute_wgs=COMPUTE_WGS, max_concurrent_steps=PIPELINE_STEPS,
         compute_context=epilogue)
 
@@ -260,15 +260,10 @@ def _kernel_body(lay: _Layout, *refs):
         block = lax.rem(block + rank, lay.blocks_of[spec.ref])
       return block * lay.rows + i * TILE_M
 
-    cta = lax.axis_index("cluster") if CLUSTER_M > 1 else 0
-
-    @plgpu.nd_loop((m_tiles // CLUSTER_M * n_tiles,), collective_axes="sm",
-                   init_carry=jnp.int32(-1))
+    @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm", init_carry=jnp.int32(-1))
     def last_flag(info, carry):
       (t,) = info.index
-      mc, ni = plgpu.planar_snake(t, (m_tiles // CLUSTER_M, n_tiles), 0,
-                                  max(band // CLUSTER_M, 1))
-      mi = mc * CLUSTER_M + cta
+      mi, ni = plgpu.planar_snake(t, (m_tiles, n_tiles), 0, band)
       i = lax.rem(mi, block_tiles)
       cols = pl.ds(ni * cta_n + wg * TILE_N, TILE_N)   # this warpgroup's half (compute wgs)
       w_cols = w_gmem.at[:, pl.ds(ni * cta_n, cta_n)]
@@ -296,7 +291,7 @@ def _kernel_body(lay: _Layout, *refs):
               _raise_flag(flag_at(flag), ordered=False)
             run_mainloop(acc)
             result = acc[...].astype(out_dtype)
-            if flags_gmem is not None and defer and FLAG_STEP is None:
+            if flags_gmem is not None and defer:
               @pl.when(carry >= 0)
               def _previous_tile():
                 _raise_flag(flag_at(carry), ordered=True)
@@ -318,13 +313,8 @@ def _kernel_body(lay: _Layout, *refs):
             if blk.flag and ordered and not defer:
               _raise_flag(flag_at(flag), ordered=True)
 
-        def mma(steps, a_smem, b_smem, acc):
+        def mma(_, a_smem, b_smem, acc):
           plgpu.wgmma(acc, a_smem, b_smem.at[:, pl.ds(wg * TILE_N, TILE_N)])
-          if flags_gmem is not None and defer and FLAG_STEP is not None:
-            # the previous tile's flag, while this step's wgmma runs
-            @pl.when((steps[0] == min(FLAG_STEP, k_steps - 1)) & (carry >= 0))
-            def _previous_tile():
-              _raise_flag(flag_at(carry), ordered=True)
           plgpu.wgmma_wait(WGMMA_IN_FLIGHT)
           return acc
 
@@ -387,11 +377,9 @@ def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
                 ordered=bool(_ordered), n_operands=len(operands), has_result=result is not None)
   out_type = (jax.ShapeDtypeStruct((result[0], n), result[1]) if result is not None
               else jax.ShapeDtypeStruct((128,), jnp.int32))
-  cluster = dict(cluster=(CLUSTER_M,), cluster_names=("cluster",)) if CLUSTER_M > 1 else {}
   kernel = plgpu.kernel(
       functools.partial(_kernel_body, lay), out_type=out_type,
-      grid=(_sm_count() // CLUSTER_M,), grid_names=("sm",), num_threads=COMPUTE_WGS + 1,
-      thread_name="wg", **cluster,
+      grid=(_sm_count(),), grid_names=("sm",), num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   if rank is not None:
     rank = jnp.asarray(rank, jnp.int32).reshape(1)  # read in-kernel from global memory
