@@ -124,48 +124,63 @@ def test_flags_raised_before_the_rows_are_stored_expose_stale_rows():
   assert stale > 0
 
 
-def test_ready_flags_hold_tiles_until_rows_arrive():
+@pytest.mark.parametrize("wait", ["a", "c"])
+def test_ready_flags_hold_tiles_until_rows_arrive(wait):
   """The kernel runs on rows that a copy-engine stream brings in only after the host lets it
   (50 ms after the launch), one block of rows after another, each announced by a stream write
   into its uint64 flag of `ready`: the product is right only if tiles waited for them. The
-  walk's first block (`own`) is not waited for, and `rank` places the walk's blocks."""
+  rows are those of `a` (all_gather_matmul's walk: waited for before the mainloop) or of the
+  added c (the reduce-scatter ring's: waited for in the mainloop, then fetched). The walk's
+  first block is not waited for, and `rank` places the walk's blocks."""
   cu, ck = _driver()
   r, blocks, rows_per_block, k, n, ready_rows = 1, 4, 512, 1024, 1024, 256
   own = _rand((rows_per_block, k), jnp.bfloat16, 3)
-  a_src = _rand(((blocks - 1) * rows_per_block, k), jnp.bfloat16, 0)
   b = _rand((k, n), jnp.bfloat16, 1, 1 / np.sqrt(k))
-  a_dst = jnp.zeros_like(a_src)
-  nflags = a_src.shape[0] // ready_rows
+  if wait == "a":  # a: own, then the blocks that arrive
+    src = _rand(((blocks - 1) * rows_per_block, k), jnp.bfloat16, 0)
+    x = jnp.concatenate([own, src])
+    c_ref = 0.0
+    walk = [fg.WalkBlock(a=fg.Rows(0, 0), out=fg.Rows(fg.RESULT, 0, by_rank=True))] + [
+        fg.WalkBlock(a=fg.Rows(1, j - 1), out=fg.Rows(fg.RESULT, j, by_rank=True), wait="a")
+        for j in range(1, blocks)]
+  else:  # a fixed, c of every block but the first arrives
+    x = _rand((blocks * rows_per_block, k), jnp.bfloat16, 0)
+    src = _rand(((blocks - 1) * rows_per_block, n), jnp.bfloat16, 4)
+    c_ref = np.concatenate([np.zeros((rows_per_block, n)), np.asarray(src, np.float32)])
+    walk = [fg.WalkBlock(a=fg.Rows(0, 0), out=fg.Rows(fg.RESULT, 0, by_rank=True))] + [
+        fg.WalkBlock(a=fg.Rows(0, j), c=fg.Rows(1, j - 1),
+                     out=fg.Rows(fg.RESULT, j, by_rank=True), wait="c")
+        for j in range(1, blocks)]
+  first = own if wait == "a" else x
+  dst = jnp.zeros_like(src)
+  nflags = src.shape[0] // ready_rows
   ready = jnp.zeros((2 * nflags,), jnp.int32)
   gate = jnp.zeros((1,), jnp.int32)
   rank = jnp.array([r], jnp.int32)
-  for x in (own, a_src, a_dst, ready, gate):
-    x.block_until_ready()
-  walk = [fg.WalkBlock(a=fg.Rows(0, 0), out=fg.Rows(fg.RESULT, 0, by_rank=True))] + [
-      fg.WalkBlock(a=fg.Rows(1, j - 1), out=fg.Rows(fg.RESULT, j, by_rank=True), wait="a")
-      for j in range(1, blocks)]
-  f = jax.jit(lambda own, a, b, rank, ready: fg.walk_matmul(
-      b, [own, a], walk, rows_per_block, result=(blocks * rows_per_block, own.dtype), rank=rank,
-      ready=ready, ready_rows=ready_rows, ready_value=7))
-  f(own, a_src, b, rank, jnp.full((2 * nflags,), 7, jnp.int32)).block_until_ready()  # compile
+  for v in (first, src, dst, ready, gate):
+    v.block_until_ready()
+  f = jax.jit(lambda first, arriving, b, rank, ready: fg.walk_matmul(
+      b, [first, arriving], walk, rows_per_block, result=(blocks * rows_per_block, b.dtype),
+      rank=rank, ready=ready, ready_rows=ready_rows, ready_value=7))
+  f(first, src, b, rank, jnp.full((2 * nflags,), 7, jnp.int32)).block_until_ready()  # compile
   copier, releaser = ck(cu.cuStreamCreate(1)), ck(cu.cuStreamCreate(1))
   gp, rp = gate.unsafe_buffer_pointer(), ready.unsafe_buffer_pointer()
-  sp, dp = a_src.unsafe_buffer_pointer(), a_dst.unsafe_buffer_pointer()
+  sp, dp = src.unsafe_buffer_pointer(), dst.unsafe_buffer_pointer()
   ck(cu.cuStreamWaitValue32(copier, cu.CUdeviceptr(gp), 1,
                             cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
-  nbytes = ready_rows * k * 2
+  nbytes = ready_rows * src.shape[1] * 2
   host = ck(cu.cuMemHostAlloc(nbytes, 0))  # staged through the host: copy engines only
   for blk in range(nflags):
     ck(cu.cuMemcpyDtoHAsync(host, cu.CUdeviceptr(sp + blk * nbytes), nbytes, copier))
     ck(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(dp + blk * nbytes), host, nbytes, copier))
     ck(cu.cuStreamWriteValue64(copier, cu.CUdeviceptr(rp + 8 * blk), 7, 0))
-  result = f(own, a_dst, b, rank, ready)
+  result = f(first, dst, b, rank, ready)
   time.sleep(0.05)
   ck(cu.cuMemsetD32Async(cu.CUdeviceptr(gp), 1, 1, releaser))
   result.block_until_ready()
   ck(cu.cuStreamSynchronize(copier))
-  walk = jnp.concatenate([own, a_src]).astype(jnp.float32) @ b.astype(jnp.float32)
-  ref = np.roll(np.asarray(walk).reshape(blocks, rows_per_block, n), r, axis=0).reshape(-1, n)
+  rows = x.astype(jnp.float32) @ b.astype(jnp.float32) + c_ref
+  ref = np.roll(np.asarray(rows).reshape(blocks, rows_per_block, n), r, axis=0).reshape(-1, n)
   np.testing.assert_allclose(np.asarray(result, np.float32), ref, rtol=2e-2, atol=2e-2)
   for s in (copier, releaser):
     ck(cu.cuStreamDestroy(s))

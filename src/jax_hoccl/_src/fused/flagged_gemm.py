@@ -50,6 +50,7 @@ COMPUTE_WGS = 2
 # raising the flag early in the next tile's mainloop, were slower
 # (benchmarks/results/raw/2026-12-01-1xH200-gemm-variants.txt).
 WGMMA_IN_FLIGHT = 1
+C_FETCH_STEP = 2      # k-step of a tile's mainloop at which its c is waited for and fetched
 # Scope of a flag's release. The readers are copy engines (of this GPU, or a peer's pulling
 # over NVLink), which read through this GPU's L2, so "gpu" orders the rows before the flag for
 # them; "sys" (host-visible ordering) cost ~0.5% more of the GEMM's time on H200.
@@ -218,9 +219,15 @@ def _kernel_body(lay: _Layout, *refs):
   block_tiles = lay.rows // TILE_M
   m_tiles, n_tiles, k_steps = len(lay.walk) * block_tiles, lay.n // cta_n, lay.k // TILE_K
   band = min(BAND_TILES, m_tiles)
-  epi_tiles = [(i, j) for i in range(TILE_M // EPI) for j in range(TILE_N // EPI)]
+  epi_tiles = [(slice(i * EPI, (i + 1) * EPI), slice(j * EPI, (j + 1) * EPI))
+               for i in range(TILE_M // EPI) for j in range(TILE_N // EPI)]
   ordered = lay.ordered
   has_c = any(blk.c is not None for blk in lay.walk)
+  # Two staging slots per warpgroup (all the shared memory the pipeline leaves): a tile's
+  # first half of c is fetched into them under the mainloop, its second half as they free.
+  slots = 2
+  assert len(epi_tiles) == 2 * slots
+  c_step = min(C_FETCH_STEP, k_steps - 1)
 
   def pipeline(mma, epilogue):
     return plgpu.emit_pipeline_warp_specialized(
@@ -237,18 +244,19 @@ def _kernel_body(lay: _Layout, *refs):
   @functools.partial(
       pl.run_scoped,
       allocs=pipeline(nothing, nothing).get_allocations(a0, w_gmem),
-      stage=plgpu.SMEM((COMPUTE_WGS, 2, EPI, EPI), out_dtype, transforms=out_transforms),
-      c_arrived=plgpu.Barrier(num_barriers=2 * COMPUTE_WGS) if has_c else None,
+      stage=plgpu.SMEM((COMPUTE_WGS, slots, EPI, EPI), out_dtype, transforms=out_transforms),
+      c_arrived=plgpu.Barrier(num_barriers=slots * COMPUTE_WGS) if has_c else None,
       collective_axes="wg")
   def _scope(allocs, stage, c_arrived):
     wg = lax.axis_index("wg")
     rank = rank_gmem[0] if rank_gmem is not None else None
     # A tile's flag is raised (after its stores complete) at the start of the next tile's
     # epilogue, once its mainloop gave the stores time to land: raising it right after the
-    # stores makes the warpgroup wait for them, ~1% of the GEMM's time on H200. In a walk
-    # that waits it is raised at once: a deferred flag could wait for a tile that waits for a
-    # peer that waits for this flag.
-    defer = ordered and lay.ready_rows == 0
+    # stores makes the warpgroup wait for them, ~1% of the GEMM's time on H200. It is never
+    # held behind a wait (it could wait for a peer that waits for this flag): a next tile
+    # that waits for its c raises it first, in its mainloop; in a walk that waits for rows of
+    # `a`, before its mainloop, it is raised at once.
+    defer = flags_gmem is not None and ordered and not any(b.wait == "a" for b in lay.walk)
 
     def flag_at(index):
       return flags_gmem.at[pl.ds(index, 1)]
@@ -280,9 +288,30 @@ def _kernel_body(lay: _Layout, *refs):
         out_rows = pl.ds(row_of(blk.out, i), TILE_M)
         out_gmem = operands[blk.out.ref]
         c_gmem = operands[blk.c.ref] if blk.c is not None else None
-        if blk.wait:  # one uint64 flag per ready_rows rows; its low word
-          waited = row_of(blk.a if blk.wait == "a" else blk.c, i)
+        raise_in_mainloop = defer and blk.wait == "c"
+
+        def await_rows(spec: Rows):  # one uint64 flag per ready_rows rows; its low word
+          waited = row_of(spec, i)
           _await_flag(ready_gmem.at[pl.ds(2 * (waited // lay.ready_rows), 1)], lay.ready_value)
+
+        if blk.wait == "a":
+          await_rows(blk.a)
+
+        def fetch_c(e):  # c's epilogue sub-tile e into its slot
+          c_tile = c_gmem.at[pl.ds(row_of(blk.c, i), TILE_M), cols]
+          plgpu.copy_gmem_to_smem(c_tile.at[epi_tiles[e]], stage.at[wg, e % slots],
+                                  c_arrived.at[wg * slots + e % slots])
+
+        def prefetch_c():
+          """Under the mainloop: the previous tile's flag (a wait must not hold it), the wait
+          for c's rows, then c's first sub-tiles into the slots once they are free."""
+          if raise_in_mainloop:
+            pl.when(carry >= 0)(lambda: _raise_flag(flag_at(carry), ordered=True))
+          if blk.wait == "c":
+            await_rows(blk.c)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores left smem
+          for e in range(slots):
+            fetch_c(e)
 
         def epilogue(run_mainloop):
           @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
@@ -291,30 +320,31 @@ def _kernel_body(lay: _Layout, *refs):
               _raise_flag(flag_at(flag), ordered=False)
             run_mainloop(acc)
             result = acc[...].astype(out_dtype)
-            if flags_gmem is not None and defer:
-              @pl.when(carry >= 0)
-              def _previous_tile():
-                _raise_flag(flag_at(carry), ordered=True)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores left smem
-            for e, (ei, ej) in enumerate(epi_tiles):
-              slot = e % 2
-              sub = (slice(ei * EPI, (ei + 1) * EPI), slice(ej * EPI, (ej + 1) * EPI))
-              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            if defer and not raise_in_mainloop:
+              pl.when(carry >= 0)(lambda: _raise_flag(flag_at(carry), ordered=True))
+            if c_gmem is None:
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores left smem
+            for e, sub in enumerate(epi_tiles):
+              slot = e % slots
               if c_gmem is None:
+                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
                 stage[wg, slot] = result[sub]
               else:
-                bar = c_arrived.at[wg * 2 + slot]
-                c_rows = pl.ds(row_of(blk.c, i), TILE_M)
-                plgpu.copy_gmem_to_smem(c_gmem.at[c_rows, cols].at[sub], stage.at[wg, slot], bar)
-                plgpu.barrier_wait(bar)
+                if e == slots:  # the prefetched half is out: the rest of c, slot by slot
+                  for j in range(slots):
+                    plgpu.wait_smem_to_gmem(slots - 1 - j, wait_read_only=True)
+                    fetch_c(slots + j)
+                plgpu.barrier_wait(c_arrived.at[wg * slots + slot])
                 stage[wg, slot] += result[sub]
               plgpu.commit_smem()
               plgpu.copy_smem_to_gmem(stage.at[wg, slot], out_gmem.at[out_rows, cols].at[sub])
             if blk.flag and ordered and not defer:
               _raise_flag(flag_at(flag), ordered=True)
 
-        def mma(_, a_smem, b_smem, acc):
+        def mma(steps, a_smem, b_smem, acc):
           plgpu.wgmma(acc, a_smem, b_smem.at[:, pl.ds(wg * TILE_N, TILE_N)])
+          if c_gmem is not None:  # while this step's wgmma runs
+            pl.when(steps[0] == c_step)(prefetch_c)
           plgpu.wgmma_wait(WGMMA_IN_FLIGHT)
           return acc
 
@@ -328,7 +358,7 @@ def _kernel_body(lay: _Layout, *refs):
           pl.when(mi // block_tiles == j)(functools.partial(run_block, blk))
       return flag if flags_gmem is not None else carry
 
-    if flags_gmem is not None and defer:  # this CTA's last tile (memory warpgroup: last)
+    if defer:  # this CTA's last tile (memory warpgroup: last)
       @pl.when((wg < COMPUTE_WGS) & (last_flag >= 0))
       def _last_tile():
         _raise_flag(flag_at(last_flag), ordered=True)
