@@ -1,7 +1,7 @@
 """What the fused ops' walks of the flagged GEMM cost on one GPU with nothing to wait for: each
 walk (fused/gather_into_gemm.py, fused/gemm_ring.py, n = 2 and 4 ranks, rank 0) run with its
 ready flags already up, against XLA's dot of the same M x K x N and the plain flagged GEMM
-(flags on), and the plain kernel with an added C (the ring's epilogue add). CUPTI kernel time,
+(flags on), and the plain kernel adding into its output (the ring's partial sums). CUPTI kernel time,
 three interleaved rounds of 20 calls, medians. What is left over the plain kernel is compute-
 side cost that two GPUs cannot hide."""
 import statistics
@@ -32,7 +32,9 @@ def programs(m_total, n):
        "flagged": (jax.jit(lambda x, w, o, f: fg.flagged_matmul(x, w, out=o, flags=f,
                                                                  flag_rows=1024)),
                    (x, w, out, flags)),
-       "flagged + c": (jax.jit(lambda x, w, c: fg.flagged_matmul(x, w, c=c)), (x, w, c))}
+       "flagged, adding into out": (jax.jit(lambda x, w, c: fg.flagged_matmul(x, w, out=c,
+                                                                               add=True)),
+                                    (x, w, c))}
   m = m_total // n
   own, gathered = x[:m], x[m:]
   ready = ones_ready((n - 1) * m // gig.READY_ROWS)
@@ -42,18 +44,18 @@ def programs(m_total, n):
           ready_rows=gig.READY_ROWS)), (own, gathered, w, ready))
   rows = m_total // n
   band = gr.band_rows(rows)
-  send = jnp.zeros(((n - 1) * rows, N), bf)
-  recv = c[:(n - 1) * rows]
+  send = jnp.zeros((rows, N), bf)
+  recv = c[:(n - 2) * rows]
   for gather in (False, True):
     name = "matmul_psum" if gather else "matmul_reduce_scatter"
-    extra = [jnp.zeros((n * rows, N), bf)] if gather else []
+    last = jnp.zeros(((n if gather else 1) * rows, N), bf)
     ring_flags = jnp.zeros((n * rows // band,), jnp.int32)
     ring_ready = ones_ready((n - 1) * rows // band)
     p[f"{name} walk n={n}"] = (jax.jit(
-        lambda x, w, s, r, f, rd, *e, gather=gather: fg.walk_matmul(
-            w, [x, s, r, *e], gr.walk(n, gather), rows,
-            result=None if gather else (rows, bf), rank=0, ready=rd, ready_rows=band,
-            flags=f, flag_rows=band)), (x, w, send, recv, ring_flags, ring_ready, *extra))
+        lambda x, w, s, l, r, f, rd, gather=gather: fg.walk_matmul(
+            w, [x, s, l] + ([r] if n > 2 else []), gr.walk(n, gather), rows, rank=0,
+            ready=rd, ready_rows=band, flags=f, flag_rows=band)),
+        (x, w, send, last, recv, ring_flags, ring_ready))
   return p
 
 

@@ -293,13 +293,15 @@ ffi::Error AnnouncedGatherStartCuda(cudaStream_t stream, int32_t device, ffi::An
 }
 
 // The reduce-scatter ring walked by one flagged GEMM (fused/gemm_ring.py): matmul_reduce_scatter,
-// and with `gather` matmul_psum. Outputs: send [(n-1) R, N] (the GEMM's partial sums, written
-// in place later), recv [(n-1) R, N] (rank r-1's partial sums, which my GEMM adds), gemm_flags
-// (int32, one per band of `band_bytes` of the GEMM's walk, raised to `flag_target`), ready
-// (uint64, one per band of recv); with gather, out [n R, N] (my summed block is written by the
-// GEMM into my slot, the others land from the peers); the token last. Zeroes both flag arrays
-// on XLA's stream; then on the start's stream, in order: for each band of send, wait until my
-// GEMM stored it and pass it to rank r+1 (a one-band ppermute, copy engines only), announcing
+// and with `gather` matmul_psum. Outputs: send [R, N] (the GEMM's first partial sums, written
+// in place later), recv [(n-2) R, N] (rank r-1's partial sums, into which my GEMM adds its
+// own, in place), gemm_flags (int32, one per band of `band_bytes` of the GEMM's walk, raised
+// to `flag_target`), ready (uint64, one per band that lands), last: [R, N] (where rank r-1's
+// partial of my block lands and my GEMM completes the sum) or, with gather, out [n R, N]
+// (the same in my slot; the peers' sums land in theirs); the token last. Zeroes both flag
+// arrays on XLA's stream; then on the start's stream, in order: for each band of the walk's
+// blocks 0..n-2, wait until my GEMM stored it (send, then recv) and pass it to rank r+1 (a
+// one-band ppermute into its recv, or its last for block n-2; copy engines only), announcing
 // it there; with gather, for each band of my summed block, wait for it and send it to every
 // peer's slot (n-1 one-band ppermutes).
 ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer /*x*/,
@@ -310,18 +312,18 @@ ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBu
   const char* op = gather ? "jax_hoccl matmul_psum ring: " : "jax_hoccl matmul_reduce_scatter ring: ";
   auto send = rets.get<ffi::AnyBuffer>(0), recv = rets.get<ffi::AnyBuffer>(1);
   auto gemm_flags = rets.get<ffi::AnyBuffer>(2), ready = rets.get<ffi::AnyBuffer>(3);
-  auto out = rets.get<ffi::AnyBuffer>(4);
+  auto last = rets.get<ffi::AnyBuffer>(4);
   if (send.has_error() || recv.has_error() || gemm_flags.has_error() || ready.has_error() ||
-      out.has_error())
+      last.has_error())
     return ffi::Error::InvalidArgument(std::string(op) + "missing outputs");
-  const size_t bytes = (*send)->size_bytes();
+  const size_t block_bytes = (*send)->size_bytes();
   const size_t n = static_cast<size_t>(group_size);
-  if (band_bytes <= 0 || n < 2 || bytes % (n - 1) || (bytes / (n - 1)) % band_bytes ||
-      (*recv)->size_bytes() != bytes || (gather && (*out)->size_bytes() != bytes / (n - 1) * n))
+  if (band_bytes <= 0 || n < 2 || block_bytes % band_bytes ||
+      (*recv)->size_bytes() != block_bytes * (n - 2) ||
+      (*last)->size_bytes() != block_bytes * (gather ? n : 1))
     return ffi::Error::InvalidArgument(std::string(op) + "bands of " + std::to_string(band_bytes) +
-                                       " bytes in " + std::to_string(bytes));
-  const size_t block_bytes = bytes / (n - 1), bands = bytes / band_bytes;
-  const size_t block_bands = block_bytes / band_bytes;
+                                       " bytes in blocks of " + std::to_string(block_bytes));
+  const size_t block_bands = block_bytes / band_bytes, bands = (n - 1) * block_bands;
   if ((*gemm_flags)->size_bytes() < (bands + (gather ? block_bands : 0)) * sizeof(int32_t) ||
       (*ready)->size_bytes() < bands * sizeof(uint64_t))
     return ffi::Error::InvalidArgument(std::string(op) + "too few flags");
@@ -329,6 +331,11 @@ ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBu
   if (!api.wait_value32)
     return ffi::Error(ffi::ErrorCode::kUnavailable,
                       std::string(op) + "the CUDA driver has no cuStreamWaitValue32");
+  GroupPosition pos;  // my rank
+  std::string found = FindGroup(groups.begin(), groups.size(), group_size,
+                                GlobalDeviceId(device), &pos);
+  if (!found.empty()) return ffi::Error::InvalidArgument(std::string(op) + found);
+  const size_t r = static_cast<size_t>(pos.rank);
   cudaError_t e;
   if ((e = cudaMemsetAsync((*gemm_flags)->untyped_data(), 0, (*gemm_flags)->size_bytes(),
                            xla_stream)) != cudaSuccess ||
@@ -340,11 +347,11 @@ ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBu
   if (stream.has_error()) return stream.error();
   auto* flags = static_cast<int32_t*>((*gemm_flags)->untyped_data());
   auto gate = [&](size_t flag) -> ffi::Error {  // my GEMM stored band `flag` of its walk
-    CUresult r = api.wait_value32(reinterpret_cast<CUstream>(stream->first),
-                                  reinterpret_cast<CUdeviceptr>(flags + flag),
-                                  static_cast<cuuint32_t>(flag_target), CU_STREAM_WAIT_VALUE_GEQ);
-    if (r != CUDA_SUCCESS)
-      return ffi::Error::Internal(std::string(op) + api.Describe("cuStreamWaitValue32", r));
+    CUresult res = api.wait_value32(reinterpret_cast<CUstream>(stream->first),
+                                    reinterpret_cast<CUdeviceptr>(flags + flag),
+                                    static_cast<cuuint32_t>(flag_target), CU_STREAM_WAIT_VALUE_GEQ);
+    if (res != CUDA_SUCCESS)
+      return ffi::Error::Internal(std::string(op) + api.Describe("cuStreamWaitValue32", res));
     return ffi::Error::Success();
   };
   auto shift = [&](size_t k) {  // permute_dst of a ppermute to rank r + k
@@ -356,31 +363,30 @@ ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBu
   const ffi::Span<const int64_t> next(to_next.data(), to_next.size());
   char* send_at = static_cast<char*>((*send)->untyped_data());
   char* recv_at = static_cast<char*>((*recv)->untyped_data());
+  // my block's sum: where rank r-1's partial of it lands (my slot of the output with gather)
+  char* last_at = static_cast<char*>((*last)->untyped_data()) + (gather ? r * block_bytes : 0);
   auto* announced = static_cast<uint64_t*>((*ready)->untyped_data());
   for (size_t b = 0; b < bands; ++b) {
     ffi::Error err = gate(b);
     if (!err.success()) return err;
+    const size_t j = b / block_bands, at = (b % block_bands) * band_bytes;  // walk block j
+    char* from = j == 0 ? send_at + at : recv_at + (j - 1) * block_bytes + at;
+    char* into = j + 2 < n ? recv_at + j * block_bytes + at : last_at + at;  // on rank r+1
     Announce announce{announced + b, static_cast<size_t>(band_bytes)};
-    err = EnqueueExchange(OpKind::kPermute, stream->first, stream->second, device,
-                          send_at + b * band_bytes, band_bytes, recv_at + b * band_bytes,
-                          band_bytes, groups, group_size, next, site, false, false, false,
-                          &announce);
+    err = EnqueueExchange(OpKind::kPermute, stream->first, stream->second, device, from,
+                          band_bytes, into, band_bytes, groups, group_size, next, site, false,
+                          false, false, &announce);
     if (!err.success()) return err;
   }
   if (gather) {
-    GroupPosition pos;  // my rank
-    std::string found = FindGroup(groups.begin(), groups.size(), group_size,
-                                  GlobalDeviceId(device), &pos);
-    if (!found.empty()) return ffi::Error::InvalidArgument(std::string(op) + found);
-    const size_t r = static_cast<size_t>(pos.rank);
-    char* out_at = static_cast<char*>((*out)->untyped_data());
+    char* out_at = static_cast<char*>((*last)->untyped_data());
     for (size_t b = 0; b < block_bands; ++b) {
       ffi::Error err = gate(bands + b);
       if (!err.success()) return err;
       for (size_t k = 1; k < n; ++k) {  // my band to rank r + k; rank r - k's into its slot
         const std::vector<int64_t> dst = shift(k);
         err = EnqueueExchange(OpKind::kPermute, stream->first, stream->second, device,
-                              out_at + r * block_bytes + b * band_bytes, band_bytes,
+                              last_at + b * band_bytes, band_bytes,
                               out_at + ((r + n - k) % n) * block_bytes + b * band_bytes,
                               band_bytes, groups, group_size,
                               ffi::Span<const int64_t>(dst.data(), dst.size()), site, false,

@@ -105,27 +105,32 @@ def test_falls_back_where_the_kernel_does_not_apply(monkeypatch, op, case):
 
 
 def test_walks_name_their_blocks():
-  """The ring's walk: block j of rank r multiplies x's block (r - 1 - j) % n, adds the partial
-  received for it from block 1 on, and only the last is the result (or, for matmul_psum,
-  my slot of the output)."""
-  from jax_hoccl._src.fused import gemm_ring, gather_into_gemm
+  """The ring's walk: block j of rank r multiplies x's block (r - 1 - j) % n; block 0 goes to
+  `send`, and from block 1 on each adds into where the partial for its rows landed (recv
+  block j - 1, the last into `last`, or for matmul_psum my slot of the output) once its
+  arrival flags (block j - 1) are up."""
+  from jax_hoccl._src.fused import gemm_ring as gr, gather_into_gemm
   n = 4
-  walk = gemm_ring.walk(n)
+  walk = gr.walk(n)
   assert [b.a.block for b in walk] == [(-1 - j) % n for j in range(n)]
   assert all(b.a.by_rank for b in walk)
-  assert [b.c is not None for b in walk] == [False] + [True] * (n - 1)
-  assert [b.out.ref for b in walk] == [1] * (n - 1) + [fg.RESULT]
+  assert [b.add for b in walk] == [False] + [True] * (n - 1)
+  assert [b.wait for b in walk] == [None] + ["out"] * (n - 1)
+  assert [b.ready_block for b in walk[1:]] == list(range(n - 1))
+  assert [b.out for b in walk] == [fg.Rows(gr.SEND, 0)] + [
+      fg.Rows(gr.RECV, j) for j in range(n - 2)] + [fg.Rows(gr.LAST, 0)]
   assert [b.flag for b in walk] == [True] * (n - 1) + [False]
-  psum_walk = gemm_ring.walk(n, gather=True)
-  assert psum_walk[-1].out == fg.Rows(3, 0, by_rank=True) and psum_walk[-1].flag
+  psum_walk = gr.walk(n, gather=True)
+  assert psum_walk[-1].out == fg.Rows(gr.LAST, 0, by_rank=True) and psum_walk[-1].flag
   gather_walk = gather_into_gemm.walk(n)
   assert gather_walk[0].wait is None and all(b.wait == "a" for b in gather_walk[1:])
+  assert [b.ready_block for b in gather_walk[1:]] == list(range(n - 1))
   assert [b.out.block for b in gather_walk] == list(range(n))
   # a ring step's bands: at most 8, at least 256 rows, dividing the block
   for rows in (256, 512, 2048, 8192, 16384):
-    band = gemm_ring.band_rows(rows)
+    band = gr.band_rows(rows)
     assert rows % band == 0 and band >= 256 and rows // band <= 8
-  assert gemm_ring.band_rows(200) is None
+  assert gr.band_rows(200) is None
 
 
 def test_flag_target_counts_cta_tiles():

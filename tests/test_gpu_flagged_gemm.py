@@ -28,11 +28,12 @@ def _rand(shape, dtype, seed, scale=1.0):
 
 
 def _run(a, b, c=None, flag_rows=fg.TILE_M, **kw):
+  """out = a @ b (+ c: out holds c and the kernel adds into it), and its flags."""
   m, n = a.shape[0], b.shape[1]
-  out = jnp.zeros((m, n), a.dtype if c is None else c.dtype)
+  out = jnp.zeros((m, n), a.dtype) if c is None else jnp.array(c, copy=True)
   flags = jnp.zeros((m // flag_rows,), jnp.int32)
-  token = jax.jit(lambda a, b, c, out, flags: fg.flagged_matmul(
-      a, b, out=out, flags=flags, c=c, flag_rows=flag_rows, **kw))(a, b, c, out, flags)
+  token = jax.jit(lambda a, b, out, flags: fg.flagged_matmul(
+      a, b, out=out, add=c is not None, flags=flags, flag_rows=flag_rows, **kw))(a, b, out, flags)
   token.block_until_ready()
   return out, flags
 
@@ -124,34 +125,32 @@ def test_flags_raised_before_the_rows_are_stored_expose_stale_rows():
   assert stale > 0
 
 
-@pytest.mark.parametrize("wait", ["a", "c"])
+@pytest.mark.parametrize("wait", ["a", "out"])
 def test_ready_flags_hold_tiles_until_rows_arrive(wait):
   """The kernel runs on rows that a copy-engine stream brings in only after the host lets it
   (50 ms after the launch), one block of rows after another, each announced by a stream write
   into its uint64 flag of `ready`: the product is right only if tiles waited for them. The
-  rows are those of `a` (all_gather_matmul's walk: waited for before the mainloop) or of the
-  added c (the reduce-scatter ring's: waited for in the mainloop, then fetched). The walk's
-  first block is not waited for, and `rank` places the walk's blocks."""
+  rows are those of `a` (all_gather_matmul's walk: waited for before the mainloop) or the
+  output rows the product is added into (the reduce-scatter ring's: waited for before the
+  stores). The walk's first block waits for nothing, and `rank` places the walk's blocks."""
   cu, ck = _driver()
   r, blocks, rows_per_block, k, n, ready_rows = 1, 4, 512, 1024, 1024, 256
-  own = _rand((rows_per_block, k), jnp.bfloat16, 3)
   b = _rand((k, n), jnp.bfloat16, 1, 1 / np.sqrt(k))
-  if wait == "a":  # a: own, then the blocks that arrive
+  ready_blocks = [dict(wait=wait, ready_block=j - 1) for j in range(1, blocks)]
+  if wait == "a":  # own rows, then the blocks that arrive; blocks placed by rank in the result
+    first = _rand((rows_per_block, k), jnp.bfloat16, 3)
     src = _rand(((blocks - 1) * rows_per_block, k), jnp.bfloat16, 0)
-    x = jnp.concatenate([own, src])
-    c_ref = 0.0
     walk = [fg.WalkBlock(a=fg.Rows(0, 0), out=fg.Rows(fg.RESULT, 0, by_rank=True))] + [
-        fg.WalkBlock(a=fg.Rows(1, j - 1), out=fg.Rows(fg.RESULT, j, by_rank=True), wait="a")
-        for j in range(1, blocks)]
-  else:  # a fixed, c of every block but the first arrives
-    x = _rand((blocks * rows_per_block, k), jnp.bfloat16, 0)
+        fg.WalkBlock(a=fg.Rows(1, j), out=fg.Rows(fg.RESULT, j + 1, by_rank=True), **kw)
+        for j, kw in enumerate(ready_blocks)]
+    result = (blocks * rows_per_block, b.dtype)
+  else:  # rows of x taken by rank; block 0 to the result, the others added into what arrives
+    first = _rand((blocks * rows_per_block, k), jnp.bfloat16, 0)
     src = _rand(((blocks - 1) * rows_per_block, n), jnp.bfloat16, 4)
-    c_ref = np.concatenate([np.zeros((rows_per_block, n)), np.asarray(src, np.float32)])
-    walk = [fg.WalkBlock(a=fg.Rows(0, 0), out=fg.Rows(fg.RESULT, 0, by_rank=True))] + [
-        fg.WalkBlock(a=fg.Rows(0, j), c=fg.Rows(1, j - 1),
-                     out=fg.Rows(fg.RESULT, j, by_rank=True), wait="c")
-        for j in range(1, blocks)]
-  first = own if wait == "a" else x
+    walk = [fg.WalkBlock(a=fg.Rows(0, 0, by_rank=True), out=fg.Rows(fg.RESULT, 0))] + [
+        fg.WalkBlock(a=fg.Rows(0, j + 1, by_rank=True), out=fg.Rows(1, j), add=True, **kw)
+        for j, kw in enumerate(ready_blocks)]
+    result = (rows_per_block, b.dtype)
   dst = jnp.zeros_like(src)
   nflags = src.shape[0] // ready_rows
   ready = jnp.zeros((2 * nflags,), jnp.int32)
@@ -160,9 +159,10 @@ def test_ready_flags_hold_tiles_until_rows_arrive(wait):
   for v in (first, src, dst, ready, gate):
     v.block_until_ready()
   f = jax.jit(lambda first, arriving, b, rank, ready: fg.walk_matmul(
-      b, [first, arriving], walk, rows_per_block, result=(blocks * rows_per_block, b.dtype),
-      rank=rank, ready=ready, ready_rows=ready_rows, ready_value=7))
-  f(first, src, b, rank, jnp.full((2 * nflags,), 7, jnp.int32)).block_until_ready()  # compile
+      b, [first, arriving], walk, rows_per_block, result=result, rank=rank, ready=ready,
+      ready_rows=ready_rows, ready_value=7))
+  f(first, jnp.zeros_like(src), b, rank,
+    jnp.full((2 * nflags,), 7, jnp.int32)).block_until_ready()  # compile
   copier, releaser = ck(cu.cuStreamCreate(1)), ck(cu.cuStreamCreate(1))
   gp, rp = gate.unsafe_buffer_pointer(), ready.unsafe_buffer_pointer()
   sp, dp = src.unsafe_buffer_pointer(), dst.unsafe_buffer_pointer()
@@ -174,14 +174,24 @@ def test_ready_flags_hold_tiles_until_rows_arrive(wait):
     ck(cu.cuMemcpyDtoHAsync(host, cu.CUdeviceptr(sp + blk * nbytes), nbytes, copier))
     ck(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(dp + blk * nbytes), host, nbytes, copier))
     ck(cu.cuStreamWriteValue64(copier, cu.CUdeviceptr(rp + 8 * blk), 7, 0))
-  result = f(first, dst, b, rank, ready)
+  out = f(first, dst, b, rank, ready)
   time.sleep(0.05)
   ck(cu.cuMemsetD32Async(cu.CUdeviceptr(gp), 1, 1, releaser))
-  result.block_until_ready()
+  out.block_until_ready()
   ck(cu.cuStreamSynchronize(copier))
-  rows = x.astype(jnp.float32) @ b.astype(jnp.float32) + c_ref
-  ref = np.roll(np.asarray(rows).reshape(blocks, rows_per_block, n), r, axis=0).reshape(-1, n)
-  np.testing.assert_allclose(np.asarray(result, np.float32), ref, rtol=2e-2, atol=2e-2)
+  bf = np.asarray(b, np.float32)
+  if wait == "a":
+    walked = np.concatenate([np.asarray(first, np.float32), np.asarray(src, np.float32)]) @ bf
+    want = np.roll(walked.reshape(blocks, rows_per_block, n), r, axis=0).reshape(-1, n)
+    got = np.asarray(out, np.float32)
+  else:
+    x = np.asarray(first, np.float32).reshape(blocks, rows_per_block, k)
+    products = [x[(j + r) % blocks] @ bf for j in range(blocks)]
+    want = np.concatenate([products[0]] + [
+        products[j] + np.asarray(src, np.float32)[(j - 1) * rows_per_block:j * rows_per_block]
+        for j in range(1, blocks)])
+    got = np.concatenate([np.asarray(out, np.float32), np.asarray(dst, np.float32)])
+  np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
   for s in (copier, releaser):
     ck(cu.cuStreamDestroy(s))
   ck(cu.cuMemFreeHost(host))

@@ -290,11 +290,11 @@ FLAGGED_WORKER = PRELUDE + textwrap.dedent("""
 """)
 
 
-def _run(tmp_path, worker, timeout, env=None):
-  """Two processes sharing GPU 0, each with 0.3 of its memory (JAX_PLATFORMS dropped: they
+def _run(tmp_path, worker, timeout, env=None, n=2):
+  """n processes sharing GPU 0, each with 0.6 / n of its memory (JAX_PLATFORMS dropped: they
   must see the GPU)."""
-  return run_processes(tmp_path, worker, timeout, 2,
-                       env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3", **(env or {})},
+  return run_processes(tmp_path, worker, timeout, n,
+                       env={"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.6 / n:.2f}", **(env or {})},
                        drop=("XLA_FLAGS", "JAX_PLATFORMS"))
 
 
@@ -318,8 +318,10 @@ def test_two_processes_on_one_gpu_without_preallocation(tmp_path):
   assert max(maps) > 2, maps  # more than the one pool and the flags: several allocations
 
 
-def test_two_processes_all_gather_matmul_on_the_flagged_gemm(tmp_path):
-  outs = _run(tmp_path, FLAGGED_WORKER, timeout=300, env={"JAX_HOCCL_TIMEOUT_S": "60"})
+@pytest.mark.parametrize("n", [2, 4])
+def test_processes_fused_ops_on_the_flagged_gemm(tmp_path, n):
+  """n = 4: the ring's partial sums also pass through recv, summed in place on the way."""
+  outs = _run(tmp_path, FLAGGED_WORKER, timeout=450, env={"JAX_HOCCL_TIMEOUT_S": "120"}, n=n)
   for out in outs:
     assert "GPU_MP_OK" in out or "SKIP not Hopper" in out, out[-3000:]
 

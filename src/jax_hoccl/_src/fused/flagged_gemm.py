@@ -3,16 +3,19 @@ that tells the copy engines which rows are done, and waits for rows that the cop
 in. The fused ops (all_gather_matmul, matmul_reduce_scatter) are walks of it.
 
 - A walk: the output rows are computed block after block (R rows each, WalkBlock), each
-  block's rows of `a`, `c` and the output taken from any operand's block, fixed or chosen by
-  this rank (block + rank) % blocks, so one kernel serves every rank of a ring.
+  block's rows of `a` and of the output taken from any operand's block, fixed or chosen by
+  this rank (block + rank) % blocks, so one kernel serves every rank of a ring. A block may
+  add its product into the output rows (out += a @ w: the TMA stores reduce in L2, so the
+  rows already there are never loaded into the SMs).
 - Producer flags: once every tile of `flag_rows` rows of a block with `flag` is stored (the TMA
   stores completed, then a GPU-scope release), flags[walk row // flag_rows] has reached
   `flag_target(...)` (walk rows: block j's rows are j * R ...). A copy-engine stream that waits on it with `cuStreamWaitValue32(GEQ)`
   may copy those rows while the kernel works on later ones.
 - Consumer flags: a tile of a block with `wait` waits (system-scope acquire) until the low word
-  of ready[2 * (row // ready_rows)] (uint64 flags, written by stream memory operations after
-  the copies: cc/cuda_executor.h, Announce) is >= ready_value, `row` being the row of the
-  operand it waits for (its `a` or its `c`), before it loads it.
+  of its uint64 flag in `ready` (written by stream memory operations after the copies:
+  cc/cuda_executor.h, Announce) is >= ready_value, before it reads the rows: its rows of `a`
+  (before its mainloop) or the output rows it adds into (before its stores). Flag
+  (ready_block * R + row in the block) // ready_rows.
 
 Why our own kernel: cuBLAS cannot say which tiles are done (CUDA 13 removed its progress
 counters), and cutting a cuBLAS GEMM into row pieces costs 4-13% per piece (docs/design.md).
@@ -50,7 +53,6 @@ COMPUTE_WGS = 2
 # raising the flag early in the next tile's mainloop, were slower
 # (benchmarks/results/raw/2026-12-01-1xH200-gemm-variants.txt).
 WGMMA_IN_FLIGHT = 1
-C_FETCH_STEP = 2      # k-step of a tile's mainloop at which its c is waited for and fetched
 # Scope of a flag's release. The readers are copy engines (of this GPU, or a peer's pulling
 # over NVLink), which read through this GPU's L2, so "gpu" orders the rows before the flag for
 # them; "sys" (host-visible ordering) cost ~0.5% more of the GEMM's time on H200.
@@ -170,8 +172,9 @@ class Rows:
 class WalkBlock:
   a: Rows
   out: Rows
-  c: Rows | None = None
-  wait: str | None = None   # "a" or "c": its tiles wait for those rows' ready flags
+  add: bool = False         # out += a @ w (out must be an operand)
+  wait: str | None = None   # "a" or "out": its tiles wait for those rows' ready flags,
+  ready_block: int = 0      # those of block `ready_block` of R rows
   flag: bool = False        # raise flags for its output rows (out must be an operand)
 
 
@@ -222,12 +225,6 @@ def _kernel_body(lay: _Layout, *refs):
   epi_tiles = [(slice(i * EPI, (i + 1) * EPI), slice(j * EPI, (j + 1) * EPI))
                for i in range(TILE_M // EPI) for j in range(TILE_N // EPI)]
   ordered = lay.ordered
-  has_c = any(blk.c is not None for blk in lay.walk)
-  # Two staging slots per warpgroup (all the shared memory the pipeline leaves): a tile's
-  # first half of c is fetched into them under the mainloop, its second half as they free.
-  slots = 2
-  assert len(epi_tiles) == 2 * slots
-  c_step = min(C_FETCH_STEP, k_steps - 1)
 
   def pipeline(mma, epilogue):
     return plgpu.emit_pipeline_warp_specialized(
@@ -244,18 +241,17 @@ def _kernel_body(lay: _Layout, *refs):
   @functools.partial(
       pl.run_scoped,
       allocs=pipeline(nothing, nothing).get_allocations(a0, w_gmem),
-      stage=plgpu.SMEM((COMPUTE_WGS, slots, EPI, EPI), out_dtype, transforms=out_transforms),
-      c_arrived=plgpu.Barrier(num_barriers=slots * COMPUTE_WGS) if has_c else None,
+      stage=plgpu.SMEM((COMPUTE_WGS, 2, EPI, EPI), out_dtype, transforms=out_transforms),
       collective_axes="wg")
-  def _scope(allocs, stage, c_arrived):
+  def _scope(allocs, stage):
     wg = lax.axis_index("wg")
     rank = rank_gmem[0] if rank_gmem is not None else None
     # A tile's flag is raised (after its stores complete) at the start of the next tile's
     # epilogue, once its mainloop gave the stores time to land: raising it right after the
     # stores makes the warpgroup wait for them, ~1% of the GEMM's time on H200. It is never
     # held behind a wait (it could wait for a peer that waits for this flag): a next tile
-    # that waits for its c raises it first, in its mainloop; in a walk that waits for rows of
-    # `a`, before its mainloop, it is raised at once.
+    # that waits for its output rows raises it first; in a walk that waits for rows of `a`,
+    # before its mainloop, it is raised at once.
     defer = flags_gmem is not None and ordered and not any(b.wait == "a" for b in lay.walk)
 
     def flag_at(index):
@@ -287,31 +283,13 @@ def _kernel_body(lay: _Layout, *refs):
       def run_block(blk: WalkBlock):
         out_rows = pl.ds(row_of(blk.out, i), TILE_M)
         out_gmem = operands[blk.out.ref]
-        c_gmem = operands[blk.c.ref] if blk.c is not None else None
-        raise_in_mainloop = defer and blk.wait == "c"
 
-        def await_rows(spec: Rows):  # one uint64 flag per ready_rows rows; its low word
-          waited = row_of(spec, i)
-          _await_flag(ready_gmem.at[pl.ds(2 * (waited // lay.ready_rows), 1)], lay.ready_value)
+        def await_rows():  # one uint64 flag per ready_rows rows; its low word
+          row = blk.ready_block * lay.rows + i * TILE_M
+          _await_flag(ready_gmem.at[pl.ds(2 * (row // lay.ready_rows), 1)], lay.ready_value)
 
         if blk.wait == "a":
-          await_rows(blk.a)
-
-        def fetch_c(e):  # c's epilogue sub-tile e into its slot
-          c_tile = c_gmem.at[pl.ds(row_of(blk.c, i), TILE_M), cols]
-          plgpu.copy_gmem_to_smem(c_tile.at[epi_tiles[e]], stage.at[wg, e % slots],
-                                  c_arrived.at[wg * slots + e % slots])
-
-        def prefetch_c():
-          """Under the mainloop: the previous tile's flag (a wait must not hold it), the wait
-          for c's rows, then c's first sub-tiles into the slots once they are free."""
-          if raise_in_mainloop:
-            pl.when(carry >= 0)(lambda: _raise_flag(flag_at(carry), ordered=True))
-          if blk.wait == "c":
-            await_rows(blk.c)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores left smem
-          for e in range(slots):
-            fetch_c(e)
+          await_rows()
 
         def epilogue(run_mainloop):
           @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
@@ -320,31 +298,23 @@ def _kernel_body(lay: _Layout, *refs):
               _raise_flag(flag_at(flag), ordered=False)
             run_mainloop(acc)
             result = acc[...].astype(out_dtype)
-            if defer and not raise_in_mainloop:
+            if defer:
               pl.when(carry >= 0)(lambda: _raise_flag(flag_at(carry), ordered=True))
-            if c_gmem is None:
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores left smem
+            if blk.wait == "out":
+              await_rows()
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores left smem
             for e, sub in enumerate(epi_tiles):
-              slot = e % slots
-              if c_gmem is None:
-                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-                stage[wg, slot] = result[sub]
-              else:
-                if e == slots:  # the prefetched half is out: the rest of c, slot by slot
-                  for j in range(slots):
-                    plgpu.wait_smem_to_gmem(slots - 1 - j, wait_read_only=True)
-                    fetch_c(slots + j)
-                plgpu.barrier_wait(c_arrived.at[wg * slots + slot])
-                stage[wg, slot] += result[sub]
+              slot = e % 2
+              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+              stage[wg, slot] = result[sub]
               plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(stage.at[wg, slot], out_gmem.at[out_rows, cols].at[sub])
+              plgpu.copy_smem_to_gmem(stage.at[wg, slot], out_gmem.at[out_rows, cols].at[sub],
+                                      reduction_op="add" if blk.add else None)
             if blk.flag and ordered and not defer:
               _raise_flag(flag_at(flag), ordered=True)
 
-        def mma(steps, a_smem, b_smem, acc):
+        def mma(_, a_smem, b_smem, acc):
           plgpu.wgmma(acc, a_smem, b_smem.at[:, pl.ds(wg * TILE_N, TILE_N)])
-          if c_gmem is not None:  # while this step's wgmma runs
-            pl.when(steps[0] == c_step)(prefetch_c)
           plgpu.wgmma_wait(WGMMA_IN_FLIGHT)
           return acc
 
@@ -368,13 +338,13 @@ def _kernel_body(lay: _Layout, *refs):
 
 def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
                 ready_rows=TILE_M, ready_value=1, flags=None, flag_rows=TILE_M, _ordered=True):
-  """Runs a walk (module docstring): every WalkBlock's R = `rows` rows of out = a @ w (+ c).
-  operands: arrays [., K] (a) or [., N] (c, out written in place); result: (rows, dtype) of
+  """Runs a walk (module docstring): every WalkBlock's R = `rows` rows of out = a @ w (or
+  out += a @ w). operands: arrays [., K] (a) or [., N] (out, written in place); result: (rows, dtype) of
   the kernel's own result (Rows.ref RESULT), or None. Returns the result (typed varying as
   its operands are), or a token (int32 [128]) when there is none: every later reader of an
   operand written in place (and of `flags`) must depend on it. rank: this rank (an int32
-  scalar, e.g. axis_index), for Rows.by_rank. ready: int32 [2 * flags]
-  (uint64 flags) per ready_rows rows of the operands waited for. flags: int32
+  scalar, e.g. axis_index), for Rows.by_rank. ready: int32 [2 * flags] (uint64 flags) per
+  ready_rows rows of the blocks waited for (WalkBlock.ready_block). flags: int32
   [len(walk) * rows // flag_rows], per flag_rows rows of the walk (those of blocks with
   `flag` are raised), zero before the kernel."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -397,6 +367,8 @@ def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
     if used and (r % TILE_M or rows % r):
       raise ValueError(f"jax_hoccl flagged GEMM: {name}={r} must be a multiple of {TILE_M} "
                        f"dividing R={rows}")
+  if any(b.add and b.out.ref == RESULT for b in walk):
+    raise ValueError("jax_hoccl flagged GEMM: a block adds into an operand, not the result")
   if any(b.wait for b in walk) != (ready is not None) or any(b.flag for b in walk) != (
       flags is not None):
     raise ValueError("jax_hoccl flagged GEMM: ready/flags must be given exactly when the walk "
@@ -422,14 +394,14 @@ def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
   return common.ensure_varying(out, tuple(vma), "flagged GEMM")
 
 
-def flagged_matmul(a, b, *, c=None, out=None, flags=None, flag_rows=TILE_M, _ordered=True):
-  """a @ b (+ c) by the kernel, in one block of rows. Returns the product, or with `out` (and
-  `flags`, raised per flag_rows rows) the token of walk_matmul, `out` written in place."""
+def flagged_matmul(a, b, *, out=None, add=False, flags=None, flag_rows=TILE_M, _ordered=True):
+  """a @ b by the kernel, in one block of rows. Returns the product, or with `out` (and
+  `flags`, raised per flag_rows rows) the token of walk_matmul, `out` written in place
+  (with add: out += a @ b)."""
   m = a.shape[0]
-  operands = [a] + ([c] if c is not None else []) + ([out] if out is not None else [])
-  c_rows = Rows(1, 0) if c is not None else None
-  out_rows = Rows(len(operands) - 1, 0) if out is not None else Rows(RESULT, 0)
-  result = None if out is not None else (m, c.dtype if c is not None else a.dtype)
-  walk = [WalkBlock(a=Rows(0, 0), out=out_rows, c=c_rows, flag=flags is not None)]
+  operands = [a] + ([out] if out is not None else [])
+  out_rows = Rows(1, 0) if out is not None else Rows(RESULT, 0)
+  result = None if out is not None else (m, a.dtype)
+  walk = [WalkBlock(a=Rows(0, 0), out=out_rows, add=add, flag=flags is not None)]
   return walk_matmul(b, operands, walk, m, result=result, flags=flags, flag_rows=flag_rows,
                      _ordered=_ordered)

@@ -63,7 +63,8 @@ def walk(n):
   """My rows first (nothing to wait for), then the peers' (ranks r+1, ...) as they land; walk
   block j is rank (r + j)'s rows of the output."""
   return [fg.WalkBlock(a=fg.Rows(0, 0), out=fg.Rows(fg.RESULT, 0, by_rank=True))] + [
-      fg.WalkBlock(a=fg.Rows(1, j - 1), out=fg.Rows(fg.RESULT, j, by_rank=True), wait="a")
+      fg.WalkBlock(a=fg.Rows(1, j - 1), out=fg.Rows(fg.RESULT, j, by_rank=True), wait="a",
+                   ready_block=j - 1)
       for j in range(1, n)]
 
 

@@ -3,20 +3,21 @@ matmul_reduce_scatter's forward pass on Hopper GPUs, and with the all-gather of 
 band, matmul_psum's.
 
 Walk block j (R = M/n rows) of rank r is the partial sum of rank (r - 1 - j)'s block of the
-output: x's rows of that block times w, plus (j >= 1) the partial sum rank r-1 computed at its
-block j-1 for the same rows, which the kernel adds in its epilogue once its band has landed.
-Blocks j < n-1 go to `send`, band by band, each raising its flag; the copy engines (start)
-pass every band to rank r+1's `recv` as soon as its flag is up, and announce it there. Block
-n-1 is my own block, the sum of all n partials: matmul_reduce_scatter's result. matmul_psum
-writes it into my slot of the output instead, raising flags too, and the copy engines send
-each of its bands to every peer as it is stored: only the last band's all-gather follows the
-GEMM.
+output: x's rows of that block times w, added (j >= 1) by the GEMM's stores into the partial
+sum rank r-1 computed at its block j-1 for the same rows, once its band has landed. Block 0
+goes to `send`, block j in 1..n-2 is summed in place in `recv`, band by band, each raising its
+flag; the copy engines (start) pass every band to rank r+1 as soon as its flag is up, and
+announce it there. Block n-1 is my own block, the sum of all n partials, summed where rank
+r-1's partial landed: `last`, matmul_reduce_scatter's result; or, for matmul_psum, my slot of
+the output, raising flags too, and the copy engines send each of its bands to every peer as
+it is stored: only the last band's all-gather follows the GEMM. No partial is ever loaded
+into the SMs (the TMA stores add in L2).
 
   start   zeroes the GEMM's flags and the arrival flags, then the bands in order: wait for my
           GEMM's flag, one-band ppermutes (copy engines) (cc/handlers_cuda.cc:
           GemmRingStartCuda);
   GEMM    one kernel, walk(n, gather);
-  done    ordered after the GEMM (and the gathers): rank r+1 has read all of `send` before XLA
+  done    ordered after the GEMM (and the gathers): rank r+1 has read all I send before XLA
           may reuse it.
 """
 from __future__ import annotations
@@ -42,16 +43,19 @@ gemm_ring_start_p.multiple_results = True
 
 
 def _abstract_eval(like, *, axes, axis_size, rows, band_rows, dtype, n_out, gather, site):
+  """send [R, N], recv [(n-2) R, N], the GEMM's flags, the arrival flags (uint64), last:
+  [R, N] (matmul_reduce_scatter's result) or [n R, N] (matmul_psum's, the same on every rank
+  once gathered: invariant over the axes), the token."""
   vma = ji.varying_axes(like)
   n = axis_size
-  buf = ji.with_type(like, ((n - 1) * rows, n_out), vma).update(dtype=np.dtype(dtype))
+  block = lambda blocks, v=vma: ji.with_type(like, (blocks * rows, n_out), v).update(
+      dtype=np.dtype(dtype))
   bands = (n - 1) * rows // band_rows
   i32 = dict(dtype=np.dtype(np.int32), weak_type=False)
-  outs = [buf, buf, ji.with_type(like, (n * rows // band_rows,), vma).update(**i32),
-          ji.with_type(like, (2 * bands,), vma).update(**i32)]
-  if gather:  # the same on every rank once gathered: invariant over the axes
-    outs.append(ji.with_type(like, (n * rows, n_out), vma - set(axes)).update(dtype=np.dtype(dtype)))
-  return outs + [ji.with_type(like, (), vma).update(**i32)]
+  last = block(n, vma - set(axes)) if gather else block(1)
+  return [block(1), block(n - 2), ji.with_type(like, (n * rows // band_rows,), vma).update(**i32),
+          ji.with_type(like, (2 * bands,), vma).update(**i32), last,
+          ji.with_type(like, (), vma).update(**i32)]
 
 
 def _lowering(ctx, like, *, axes, axis_size, rows, band_rows, dtype, n_out, gather, site):
@@ -82,17 +86,19 @@ def applies(x, w, n) -> bool:
           and fg.unsupported_reason(m, k, w.shape[1], x.dtype, None, w.dtype) is None)
 
 
+SEND, LAST, RECV = 1, 2, 3  # the kernel's operands after x (recv only when n > 2)
+
+
 def walk(n, gather=False):
-  """Operands: 0 x, 1 send, 2 recv[, 3 out]."""
-  blocks = []
-  for j in range(n):
-    a = fg.Rows(0, (-1 - j) % n, by_rank=True)
+  """Block j multiplies rank (r - 1 - j)'s rows of x, and from j = 1 adds into where rank
+  r-1's partial of those rows landed (recv block j - 1, or last), after its arrival flags
+  (ready block j - 1)."""
+  blocks = [fg.WalkBlock(a=fg.Rows(0, n - 1, by_rank=True), out=fg.Rows(SEND, 0), flag=True)]
+  for j in range(1, n):
     last = j == n - 1
-    out = (fg.Rows(1, j) if not last else fg.Rows(3, 0, by_rank=True) if gather
-           else fg.Rows(fg.RESULT, 0))
-    c = fg.Rows(2, j - 1) if j >= 1 else None
-    blocks.append(fg.WalkBlock(a=a, out=out, c=c, wait="c" if c else None,
-                               flag=not last or gather))
+    out = fg.Rows(LAST, 0, by_rank=gather) if last else fg.Rows(RECV, j - 1)
+    blocks.append(fg.WalkBlock(a=fg.Rows(0, (-1 - j) % n, by_rank=True), out=out, add=True,
+                               wait="out", ready_block=j - 1, flag=not last or gather))
   return blocks
 
 
@@ -103,18 +109,14 @@ def _ring(x, w, axes, n, gather):
   band = band_rows(rows)
   with axes_lib.user_op(op):  # errors name the op the user called
     site = axes_lib.new_site()
-  *bufs, token = gemm_ring_start_p.bind(
+  send, recv, flags, ready, last, token = gemm_ring_start_p.bind(
       x, axes=tuple(axes), axis_size=int(n), rows=rows, band_rows=band, dtype=np.dtype(x.dtype),
       n_out=nout, gather=bool(gather), site=site)
-  send, recv, flags, ready = bufs[:4]
-  operands = [x, send, recv] + bufs[4:]
-  kernel_out = fg.walk_matmul(w, operands, walk(n, gather), rows,
-                              result=None if gather else (rows, x.dtype), rank=common.rank(axes),
-                              ready=ready, ready_rows=band, flags=flags, flag_rows=band)
-  if gather:  # the output, once the peers' summed blocks have landed in it
-    out, _ = ac.done(Pending(bufs[4], x, token, site, lambda b: b), kernel_out)
-    return out
-  _, out = ac.done(Pending(send, x, token, site, lambda b: b), kernel_out)  # after the GEMM
+  operands = [x, send, last] + ([recv] if n > 2 else [])
+  kernel_token = fg.walk_matmul(w, operands, walk(n, gather), rows, rank=common.rank(axes),
+                                ready=ready, ready_rows=band, flags=flags, flag_rows=band)
+  # once the GEMM has summed into it (and, for matmul_psum, the peers' blocks have landed)
+  out, _ = ac.done(Pending(last, x, token, site, lambda b: b), kernel_token)
   return out
 
 
