@@ -288,8 +288,8 @@ def _kernel_body(lay: _Layout, *refs):
           row = blk.ready_block * lay.rows + i * TILE_M
           _await_flag(ready_gmem.at[pl.ds(2 * (row // lay.ready_rows), 1)], lay.ready_value)
 
-        if blk.wait == "a":
-          await_rows()
+        if blk.wait == "a":  # only the memory warpgroup loads a: the others go on
+          pl.when(wg == COMPUTE_WGS)(await_rows)
 
         def epilogue(run_mainloop):
           @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
