@@ -3,9 +3,10 @@ and how soon a copy-engine stream waiting on a flag moves once the flag is writt
 section of `python -m jax_hoccl.bench`: rows {"impl", "m", "k", "n", "time_us"} (impl "xla" or
 "jax_hoccl_flagged") and {"what", "time_us"} in "flag_latency".
 
-Kernel times are CUPTI's (jax's Mosaic GPU profiler), median of 20 calls, in ROUNDS interleaved
-rounds (xla, flagged, xla, flagged, ...): H200 clocks drift over a minute of GEMMs, so the
-ratio of one round is what compares.
+Kernel times are CUPTI's (jax's Mosaic GPU profiler), median of CALLS calls, in ROUNDS
+interleaved rounds (xla, flagged, xla, flagged, ...): H200 clocks drift over a minute of GEMMs
+(at M = 16384 three rounds of 20 calls gave 0.95-1.07x from run to run), so the ratio of one
+round is what compares, and the median of many rounds' ratios is reported.
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import statistics
 
 import numpy as np
 
-ROUNDS = 3
-CALLS = 20
+ROUNDS = 9
+CALLS = 10
 # (M, K, N), bf16: the fused ops' shapes at M = 4096 and 16384 (K = N = 8192) and matmul_psum's
 # per-rank GEMM on two GPUs (K = 4096)
 SHAPES = [(4096, 8192, 8192), (16384, 8192, 8192), (4096, 4096, 8192)]
