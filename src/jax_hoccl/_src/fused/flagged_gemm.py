@@ -1,6 +1,7 @@
-"""The flagged GEMM: x @ w (+ c) on a Hopper GPU as one persistent Pallas Mosaic GPU kernel
-that tells the copy engines which rows are done, and waits for rows that the copy engines bring
-in. The fused ops (all_gather_matmul, matmul_reduce_scatter) are walks of it.
+"""The flagged GEMM: x @ w (or out += x @ w) on a Hopper GPU as one persistent Pallas Mosaic
+GPU kernel that tells the copy engines which rows are done, and waits for rows that the copy
+engines bring in. The fused ops (all_gather_matmul, matmul_reduce_scatter, matmul_psum) are
+walks of it.
 
 - A walk: the output rows are computed block after block (R rows each, WalkBlock), each
   block's rows of `a` and of the output taken from any operand's block, fixed or chosen by
@@ -9,8 +10,9 @@ in. The fused ops (all_gather_matmul, matmul_reduce_scatter) are walks of it.
   rows already there are never loaded into the SMs).
 - Producer flags: once every tile of `flag_rows` rows of a block with `flag` is stored (the TMA
   stores completed, then a GPU-scope release), flags[walk row // flag_rows] has reached
-  `flag_target(...)` (walk rows: block j's rows are j * R ...). A copy-engine stream that waits on it with `cuStreamWaitValue32(GEQ)`
-  may copy those rows while the kernel works on later ones.
+  `flag_target(...)` (walk rows: block j's rows are j * R ...). A copy-engine stream that
+  waits on it with `cuStreamWaitValue32(GEQ)` may copy those rows while the kernel works on
+  later ones.
 - Consumer flags: a tile of a block with `wait` waits (system-scope acquire) until the low word
   of its uint64 flag in `ready` (written by stream memory operations after the copies:
   cc/cuda_executor.h, Announce) is >= ready_value, before it reads the rows: its rows of `a`
@@ -248,10 +250,10 @@ def _kernel_body(lay: _Layout, *refs):
     rank = rank_gmem[0] if rank_gmem is not None else None
     # A tile's flag is raised (after its stores complete) at the start of the next tile's
     # epilogue, once its mainloop gave the stores time to land: raising it right after the
-    # stores makes the warpgroup wait for them, ~1% of the GEMM's time on H200. It is never
-    # held behind a wait (it could wait for a peer that waits for this flag): a next tile
-    # that waits for its output rows raises it first; in a walk that waits for rows of `a`,
-    # before its mainloop, it is raised at once.
+    # stores makes the warpgroup wait for them, ~1% of the GEMM's time on H200. It is raised
+    # before anything in that epilogue waits (a flag held behind a wait could wait for a peer
+    # that waits for this flag); in a walk whose tiles wait for rows of `a`, before their
+    # mainloop, it is raised at once.
     defer = flags_gmem is not None and ordered and not any(b.wait == "a" for b in lay.walk)
 
     def flag_at(index):
