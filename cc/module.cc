@@ -12,6 +12,8 @@
 #include "job.h"
 #include "node_rendezvous.h"
 #ifdef JAX_HOCCL_WITH_CUDA
+#include <cuda_runtime_api.h>
+
 #include "ipc_memory.h"
 #endif
 #include "handlers.h"
@@ -129,6 +131,14 @@ NB_MODULE(_hoccl, m) {
 #ifdef JAX_HOCCL_WITH_CUDA
   m.def("live_peer_mappings", &hoccl::LivePeerMappings,
         "peer allocations of other processes mapped by this one (cc/ipc_memory.h)");
+  m.def(
+      "gpu_pci_bus_id",
+      [](int ordinal) {
+        char id[32] = {0};
+        return cudaDeviceGetPCIBusId(id, sizeof(id), ordinal) == cudaSuccess ? std::string(id)
+                                                                              : std::string();
+      },
+      nb::arg("ordinal"), "the PCI bus id of a CUDA ordinal: which physical GPU it is");
   m.attr("with_cuda") = true;
 #else
   m.attr("with_cuda") = false;

@@ -262,6 +262,18 @@ _MISSING_PEER_SCRIPT = textwrap.dedent("""
                               check_vma=False))
     out["lonely_psum"] = attempt(k, x4)
 
+    # 5. A fused op names itself, not the exchanges it runs on (a group no other case uses).
+    mesh5 = jax.make_mesh((2,), ("v",), devices=[jax.devices()[1], jax.devices()[5]])
+    x5 = jax.device_put(np.ones((2, 4, 8), np.float32), NamedSharding(mesh5, P("v")))
+    w5 = np.ones((8, 4), np.float32)
+    def lonely_fused(a):
+      return jax.lax.cond(jax.lax.axis_index("v") == 0,
+                          lambda a: hc.matmul_reduce_scatter(a[0], w5, "v"),
+                          lambda a: a[0, :2, :4], a)
+    m = jax.jit(jax.shard_map(lonely_fused, mesh=mesh5, in_specs=P("v"), out_specs=P("v"),
+                              check_vma=False))
+    out["lonely_fused"] = attempt(m, x5)
+
     # 4. Other communicators still work: the groups of the 'y' axis of a 2x4 mesh.
     mesh2 = jax.make_mesh((2, 4), ("x", "y"))
     x2 = jax.device_put(np.arange(16, dtype=np.float32), NamedSharding(mesh2, P(("x", "y"))))
@@ -297,6 +309,8 @@ def test_missing_peer_times_out_with_a_clear_error():
   assert 1.5 < lonely["seconds"] < 30, lonely["seconds"]
   assert res["lonely_again"]["error"] and res["lonely_again"]["seconds"] < 1.5
 
+  msg = res["lonely_fused"]["error"]
+  assert msg and "jax_hoccl matmul_reduce_scatter (ppermute): rank 0 (device 1)" in msg, msg
   msg = res["lonely_psum"]["error"]
   assert msg and "jax_hoccl psum (all_gather)" in msg and "call #1 of call site" in msg, msg
 

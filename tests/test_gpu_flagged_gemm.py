@@ -1,7 +1,8 @@
 """The flagged GEMM (fused/flagged_gemm.py) on one Hopper GPU (skipped elsewhere): values against
 XLA's dot, its producer flags seen mid-kernel by a copy-engine stream with the rows final (and
 stale when the flag is raised before the rows are stored: the ordering is what the test sees),
-its consumer flags holding tiles back until a copy-engine stream brings their rows."""
+its consumer flags holding tiles back until a copy-engine stream brings their rows, and a walk
+whose tiles wait for its own earlier tiles finishing on the few SMs another kernel leaves."""
 import time
 
 import numpy as np
@@ -153,7 +154,7 @@ def test_ready_flags_hold_tiles_until_rows_arrive(wait):
     result = (rows_per_block, b.dtype)
   dst = jnp.zeros_like(src)
   nflags = src.shape[0] // ready_rows
-  ready = jnp.zeros((2 * nflags,), jnp.int32)
+  ready = jnp.zeros((fg.ready_words(nflags),), jnp.int32)
   gate = jnp.zeros((1,), jnp.int32)
   rank = jnp.array([r], jnp.int32)
   for v in (first, src, dst, ready, gate):
@@ -162,7 +163,7 @@ def test_ready_flags_hold_tiles_until_rows_arrive(wait):
       b, [first, arriving], walk, rows_per_block, result=result, rank=rank, ready=ready,
       ready_rows=ready_rows, ready_value=7))
   f(first, jnp.zeros_like(src), b, rank,
-    jnp.full((2 * nflags,), 7, jnp.int32)).block_until_ready()  # compile
+    ready.at[:2 * nflags].set(7)).block_until_ready()  # compile
   copier, releaser = ck(cu.cuStreamCreate(1)), ck(cu.cuStreamCreate(1))
   gp, rp = gate.unsafe_buffer_pointer(), ready.unsafe_buffer_pointer()
   sp, dp = src.unsafe_buffer_pointer(), dst.unsafe_buffer_pointer()
@@ -195,3 +196,116 @@ def test_ready_flags_hold_tiles_until_rows_arrive(wait):
   for s in (copier, releaser):
     ck(cu.cuStreamDestroy(s))
   ck(cu.cuMemFreeHost(host))
+
+
+# Holds an SM per CTA (its dynamic shared memory leaves no room for a GEMM's CTA) until the
+# host writes a nonzero word into mapped pinned memory.
+_HOLD_SMS_PTX = b"""
+.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry hold_sms(.param .u64 flag)
+{
+  .reg .pred p;
+  .reg .b32 v, tid;
+  .reg .b64 a;
+  ld.param.u64 a, [flag];
+  mov.u32 tid, %tid.x;
+  setp.ne.u32 p, tid, 0;
+  @p bra DONE;
+SPIN:
+  nanosleep.u32 2000;
+  ld.relaxed.sys.global.b32 v, [a];
+  setp.eq.u32 p, v, 0;
+  @p bra SPIN;
+DONE:
+  bar.sync 0;
+  ret;
+}
+"""
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_walk_progresses_while_another_kernel_holds_most_sms(held):
+  """A walk whose second block's tiles wait for its first block's rows (raised as flags, then
+  copied by a copy-engine stream into the rows the second block adds into, as the ring's
+  partial sums are) runs while another stream's kernel holds all but 4 SMs until the walk has
+  finished. Tiles assigned to CTAs by index would leave the 4 running CTAs waiting for rows of
+  CTAs that cannot start; claimed in walk order, the 4 CTAs walk everything. (held=False: the
+  same walk with every SM free.)"""
+  import ctypes
+
+  cu, ck = _driver()
+  sms, free_sms = GPUS[0].core_count, 4
+  rows, k, n, band = 8192, 1024, 1024, 256
+  x = _rand((2 * rows, k), jnp.bfloat16, 0)
+  b = _rand((k, n), jnp.bfloat16, 1, 1 / np.sqrt(k))
+  walk = [fg.WalkBlock(a=fg.Rows(0, 0), out=fg.Rows(1, 0), flag=True),
+          fg.WalkBlock(a=fg.Rows(0, 1), out=fg.Rows(2, 0), add=True, wait="out", ready_block=0,
+                       flag=True)]
+  bands = rows // band
+  f = jax.jit(lambda x, send, last, ready, flags: fg.walk_matmul(
+      b, [x, send, last], walk, rows, ready=ready, ready_rows=band, flags=flags,
+      flag_rows=band))
+  fresh = lambda: (jnp.zeros((rows, n), jnp.bfloat16), jnp.zeros((rows, n), jnp.bfloat16),
+                   jnp.zeros((fg.ready_words(bands),), jnp.int32),
+                   jnp.zeros((2 * bands,), jnp.int32))
+  send, last, ready, flags = fresh()
+  f(x, send, last, ready.at[:2 * bands].set(1), flags).block_until_ready()  # compile
+  print("compiled", flush=True)
+  send, last, ready, flags = fresh()
+  for v in (send, last, ready, flags):
+    v.block_until_ready()
+  sp, lp = send.unsafe_buffer_pointer(), last.unsafe_buffer_pointer()
+  rp, fp = ready.unsafe_buffer_pointer(), flags.unsafe_buffer_pointer()
+  copier, holder = ck(cu.cuStreamCreate(1)), ck(cu.cuStreamCreate(1))
+  nbytes = band * n * 2
+  host = ck(cu.cuMemHostAlloc(rows * n * 2, 0))
+  # (loading a module or pinning memory may wait for the device to idle: before the waits)
+  module = ck(cu.cuModuleLoadData(_HOLD_SMS_PTX + b"\0"))
+  hold = ck(cu.cuModuleGetFunction(module, b"hold_sms"))
+  smem = 200 * 1024
+  ck(cu.cuFuncSetAttribute(
+      hold, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
+  release = ck(cu.cuMemHostAlloc(4, cu.CU_MEMHOSTALLOC_DEVICEMAP))
+  word = ctypes.c_int32.from_address(int(release))
+  word.value = 0
+  arg = np.array([int(ck(cu.cuMemHostGetDevicePointer(release, 0)))], np.uint64)
+  args = np.array([arg.ctypes.data], np.uint64)
+  for i in range(bands):  # block 0's band i, once stored, becomes the rows block 1 adds into
+    ck(cu.cuStreamWaitValue32(copier, cu.CUdeviceptr(fp + 4 * i), fg.flag_target(n, band),
+                              cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
+    ck(cu.cuMemcpyDtoHAsync(int(host) + i * nbytes, cu.CUdeviceptr(sp + i * nbytes), nbytes,
+                            copier))
+    ck(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(lp + i * nbytes), int(host) + i * nbytes, nbytes,
+                            copier))
+    ck(cu.cuStreamWriteValue64(copier, cu.CUdeviceptr(rp + 8 * i), 1, 0))
+  finished_while_held = False
+  try:
+    if held:
+      ck(cu.cuLaunchKernel(hold, sms - free_sms, 1, 1, 128, 1, 1, smem, holder,
+                           args.ctypes.data, 0))
+      time.sleep(0.05)  # the holder's CTAs are resident before the walk starts
+    token = f(x, send, last, ready, flags)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not token.is_ready():
+      time.sleep(0.01)
+    finished_while_held = token.is_ready()
+  finally:
+    word.value = 1  # release the SMs whatever happened, so a stalled walk finishes too
+    print("released; holder", cu.cuStreamQuery(holder)[0], "copier", cu.cuStreamQuery(copier)[0],
+          "flags", np.asarray(flags).tolist() if token.is_ready() else "pending", flush=True)
+    ck(cu.cuStreamSynchronize(holder))
+  print("holder done", flush=True)
+  token.block_until_ready()
+  print("walk done", flush=True)
+  ck(cu.cuStreamSynchronize(copier))
+  assert finished_while_held, "the walk stalled on the SMs another kernel left"
+  xf, bf = np.asarray(x, np.float32), np.asarray(b, np.float32)
+  np.testing.assert_allclose(np.asarray(last, np.float32), (xf[:rows] + xf[rows:]) @ bf,
+                             rtol=3e-2, atol=3e-2)
+  for s in (copier, holder):
+    ck(cu.cuStreamDestroy(s))
+  ck(cu.cuMemFreeHost(host))
+  ck(cu.cuMemFreeHost(release))
+  ck(cu.cuModuleUnload(module))

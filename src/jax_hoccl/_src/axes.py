@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 
 import numpy as np
@@ -172,6 +173,18 @@ def user_op(name: str, site: int | None = None):
     _user_ops.pop()
 
 
+def names_errors(name: str):
+  """Decorator: collectives made while the function runs (traces) are reported in errors as
+  `name`, the op the user called (a fused op's exchanges, its backward pass's)."""
+  def wrap(f):
+    @functools.wraps(f)
+    def inner(*args, **kwargs):
+      with user_op(name):
+        return f(*args, **kwargs)
+    return inner
+  return wrap
+
+
 def share_site(site: int) -> int:
   """Marks `site` as shared by alternative instructions (branches.py); returns it."""
   _shared.add(site)
@@ -189,11 +202,11 @@ def new_site() -> int:
     scope[1] += 1
     if key not in _derived:
       _derived[key] = share_site(next(_sites))
-      ffi_targets.name_site(_derived[key], _user_ops[-1])
+      ffi_targets.name_site(_derived[key], _user_ops[0])
     return _derived[key]
   site = next(_sites)
-  if _user_ops:
-    ffi_targets.name_site(site, _user_ops[-1])
+  if _user_ops:  # the outermost: the op the user called
+    ffi_targets.name_site(site, _user_ops[0])
   return site
 
 

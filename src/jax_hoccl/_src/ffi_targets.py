@@ -53,6 +53,11 @@ def register() -> None:
     _registered = True
 
 
+def gpu_pci_bus_id(local_ordinal: int) -> str:
+  """The PCI bus id of a local CUDA ordinal ("" without the CUDA engine)."""
+  return _hoccl.gpu_pci_bus_id(int(local_ordinal)) if WITH_CUDA else ""
+
+
 def set_job(secret: str, process_index: int, device_process: list, pids: list) -> None:
   _hoccl.set_job(secret, int(process_index), [int(p) for p in device_process],
                  [int(p) for p in pids])

@@ -18,6 +18,7 @@ from jax_hoccl._src import jax_internals as ji
 
 _PREFIX = "jax_hoccl/job/"
 _nodes: list[str] | None = None  # node of each process
+_gpus_shared: bool | None = None  # two of the job's devices are one physical GPU
 
 
 def node_name() -> str:
@@ -43,23 +44,26 @@ def timeout_s() -> float:
 
 def nodes() -> list[str]:
   """The node of every process, after telling the C++ engines about the job (once)."""
-  global _nodes
+  global _nodes, _gpus_shared
   if _nodes is not None:
     return _nodes
   n, me = jax.process_count(), jax.process_index()
   client = ji.distributed_client()
   if n == 1 or client is None:
     _nodes = [node_name()] * n
+    _gpus_shared = False  # one process: each of its devices is its own GPU
     return _nodes
   wait_ms = int(timeout_s() * 1000)
   if me == 0:
     client.key_value_set(_PREFIX + "secret", secrets.token_hex(16))
-  client.key_value_set(_PREFIX + f"process/{me}", f"{os.getpid()} {node_name()}")
+  client.key_value_set(_PREFIX + f"process/{me}", f"{os.getpid()} {_local_gpus()} {node_name()}")
   secret = client.blocking_key_value_get(_PREFIX + "secret", wait_ms)
-  procs = [client.blocking_key_value_get(_PREFIX + f"process/{i}", wait_ms).split(" ", 1)
+  procs = [client.blocking_key_value_get(_PREFIX + f"process/{i}", wait_ms).split(" ", 2)
            for i in range(n)]
-  found = [node for _, node in procs]
-  pids = [int(pid) if found[i] == found[me] else 0 for i, (pid, _) in enumerate(procs)]
+  found = [node for _, _, node in procs]
+  pids = [int(pid) if found[i] == found[me] else 0 for i, (pid, _, _) in enumerate(procs)]
+  gpus = [(node, bus) for _, buses, node in procs for bus in buses.split(",") if bus != "-"]
+  _gpus_shared = len(set(gpus)) < len(gpus)
   devices = jax.devices()
   owner = np.full(max(d.id for d in devices) + 1, -1, np.int64)
   for d in devices:
@@ -67,6 +71,24 @@ def nodes() -> list[str]:
   ffi_targets.set_job(secret, me, owner.tolist(), pids)
   _nodes = found
   return _nodes
+
+
+def _local_gpus() -> str:
+  """This process's GPUs by PCI bus id (the physical GPU, whatever CUDA_VISIBLE_DEVICES
+  numbers it), comma-separated; "-" for none."""
+  try:
+    gpus = jax.local_devices(backend="gpu")
+  except RuntimeError:
+    return "-"
+  buses = [ffi_targets.gpu_pci_bus_id(d.local_hardware_id) for d in gpus]
+  return ",".join(b for b in buses if b) or "-"
+
+
+def gpus_shared() -> bool:
+  """Whether two of the job's devices are one physical GPU (several ranks on one GPU, as under
+  MPS): their copies to each other are then kernels that need SMs, not copy engines."""
+  nodes()
+  return bool(_gpus_shared)
 
 
 def node_of_device(device) -> str:

@@ -4,6 +4,7 @@
     python -m jax_hoccl.bench --quick          # 64 KiB and 1 MiB, a small fused section
     python -m jax_hoccl.bench --ops psum,all_gather --sizes 1,16 --dtype bfloat16
     python -m jax_hoccl.bench --processes      # one process per device against one process
+    python -m jax_hoccl.bench --overlap        # fused ops, two ranks on one GPU under MPS
     python -m jax_hoccl.bench --plot DIR RESULTS.json   # PNG figures (needs matplotlib)
     python -m jax_hoccl.bench --model RESULTS.json ... # fit the cost model, no devices needed
     python -m jax_hoccl.bench --model                  # measure the collectives here, then fit
@@ -68,6 +69,9 @@ def parse_args(argv):
   ap.add_argument("--fused-only", action="store_true", help="only the fused-op section")
   ap.add_argument("--gemm-only", action="store_true",
                   help="only the flagged GEMM against XLA's dot (one Hopper GPU is enough)")
+  ap.add_argument("--overlap", action="store_true",
+                  help="fused ops against their reference, two ranks sharing one GPU under MPS "
+                       "with the SMs split")
   ap.add_argument("--processes", action="store_true",
                   help="host time per call across processes against inside one")
   ap.add_argument("--out", default="benchmarks/results", help="folder of the results JSON")
@@ -101,6 +105,10 @@ def main(argv=None) -> int:
   if a.model and a.results:
     from jax_hoccl.bench import model
     return model.main(a.results)
+  if a.overlap:
+    from jax_hoccl.bench import overlap
+    print("wrote", overlap.run(a.out, _commit()))
+    return 0
   if a.processes:
     from jax_hoccl.bench import processes
     print("wrote", processes.run(a.out, _commit()))

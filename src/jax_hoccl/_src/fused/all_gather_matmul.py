@@ -43,6 +43,7 @@ def _agmm_fwd(x, w, axis_name):
   return out, (gathered, x, w)
 
 
+@axes_lib.names_errors("all_gather_matmul")
 def _agmm_bwd(axis_name, res, ct):
   gathered, x, w = res
   dx = matmul_reduce_scatter(ct, w.T, axis_name)
@@ -54,6 +55,7 @@ def _agmm_bwd(axis_name, res, ct):
 _agmm.defvjp(_agmm_fwd, _agmm_bwd)
 
 
+@axes_lib.names_errors("all_gather_matmul")
 def all_gather_matmul(x, w, axis_name):
   """all_gather(x, axis_name, tiled=True) @ w for x [m, ..., K] (rows sharded over the axis)
   and w [K, N]; returns [n*m, ..., N]. Call inside shard_map.

@@ -38,6 +38,7 @@ def _ema2a_fwd(table, ids, axis_name):
   return _ema2a(table, ids, axis_name), (table, ids)
 
 
+@axes_lib.names_errors("embedding_all_to_all")
 def _ema2a_bwd(axis_name, res, ct):
   table, ids = res
   ct = all_to_all(ct, axis_name, 0, 0, tiled=True)
@@ -50,6 +51,7 @@ def _ema2a_bwd(axis_name, res, ct):
 _ema2a.defvjp(_ema2a_fwd, _ema2a_bwd)
 
 
+@axes_lib.names_errors("embedding_all_to_all")
 def embedding_all_to_all(table, ids, axis_name):
   """all_to_all(table[ids].sum(-2), axis_name, 0, 0, tiled=True) for this rank's table
   shard [V, D] and ids [n, B, L] (ids[j]: rank j's B samples, L ids each). Returns

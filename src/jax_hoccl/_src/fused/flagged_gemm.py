@@ -22,6 +22,15 @@ walks of it.
 Why our own kernel: cuBLAS cannot say which tiles are done (CUDA 13 removed its progress
 counters), and cutting a cuBLAS GEMM into row pieces costs 4-13% per piece (docs/design.md).
 
+Forward progress (docs/design.md): a CTA that waits only ever waits for rows of earlier
+tiles of the walk order, brought by copy engines. In a walk that waits, tiles are claimed in
+walk order from a counter (tile t is taken only once tiles 0..t-1 were taken by CTAs that
+are running), so whatever holds the other SMs (another kernel, MPS clients, a grid larger than
+the SMs left), a running CTA waits for rows whose producer has started: a peer's running CTA,
+whose own waits are on still earlier tiles. Where ranks share a GPU their copies are kernels
+that need the SMs a spinning CTA holds, so the fused ops do not take walks that wait there
+(peer_wait_reason).
+
 Layout of the work: CTA tiles of 128 x 256 output elements (two compute warpgroups side by side
 on N, one warpgroup issuing TMA loads, one wgmma left in flight behind the one issued), walked
 in bands of BAND_TILES row tiles (all columns of a band before the next band, rows minor inside
@@ -40,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_hoccl._src import jax_internals as ji
+from jax_hoccl._src import job
 from jax_hoccl._src.ops import common
 
 TILE_M = 128          # rows of a CTA tile (and the granularity of flags)
@@ -78,6 +88,15 @@ def unsupported_reason(m, k, n, dtype, out_dtype=None, b_dtype=None) -> str | No
   return None
 
 
+def peer_wait_reason() -> str | None:
+  """Why a walk that waits in-kernel for rows copied from peers could stall in this job (None:
+  it cannot)."""
+  if job.gpus_shared():
+    return ("ranks share a GPU: the copies between them are kernels that need the SMs the "
+            "walk's waiting CTAs hold")
+  return None
+
+
 def _on_hopper() -> bool:
   """Whether the devices being traced for are Hopper GPUs: the mesh's (inside shard_map; a
   CPU mesh on a GPU machine is not), else the default backend's."""
@@ -100,6 +119,18 @@ def _sm_count() -> int:
   if device is not None and device.num_cores:
     return device.num_cores
   return jax.devices("gpu")[0].core_count
+
+
+# Claim words after the ready flags: the tile counter (two words, keeping the uint64 flags
+# aligned), then two slots per CTA through which its claimer hands the tile to the CTA.
+MAX_CTAS = 512
+CLAIM_WORDS = 2 + 2 * MAX_CTAS
+
+
+def ready_words(flags: int) -> int:
+  """int32 words of a walk's `ready` operand for `flags` uint64 ready flags (plus the tile
+  claims), all zero before the kernel."""
+  return 2 * flags + CLAIM_WORDS
 
 
 def flag_target(n: int, flag_rows: int) -> int:
@@ -141,6 +172,37 @@ def _raise_flag(flag_ref, ordered: bool):
     u.SemaphoreRef(u.memref_ptr(ref)).signal(1, predicate=one, memory_scope=FLAG_SCOPE)
 
   signal(flag_ref)
+
+
+# Named barrier joining all three warpgroups when a tile is claimed.
+_CLAIM_BARRIER = 9
+
+
+def _claim_tile(counter_ref, slot_ref):
+  """The next tile of the walk order for this CTA: one thread takes it from the counter and
+  hands it to all warpgroups through the CTA's slot (alternate two slots, so a slow reader of
+  the last claim never sees the next)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax._src.lib.mlir import ir
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
+                     return_type=plgpu.ShapeDtypeStruct((), jnp.int32, plgpu.Layout.WG_SPLAT))
+  def claim(_, counter, slot):
+    u = mgpu.utils
+    one = u.single_thread_predicate(u.ThreadSubset.BLOCK)
+    threads = (COMPUTE_WGS + 1) * u.WARPGROUP_SIZE
+    tile = u.inline_ptx(
+        "{\n .reg .u32 t;\n"
+        " @$3 atom.relaxed.gpu.global.add.u32 t, [$1], 1;\n"
+        " @$3 st.relaxed.gpu.global.u32 [$2], t;\n"
+        f" bar.sync {_CLAIM_BARRIER}, {threads};\n"
+        " ld.relaxed.gpu.global.u32 $0, [$2];\n}",
+        u.memref_ptr(counter), u.memref_ptr(slot), one,
+        result_types=ir.IntegerType.get_signless(32), has_side_effects=True, convergent=True)
+    return mgpu.FragmentedArray.splat(tile, (), is_signed=True)
+
+  return claim(counter_ref, slot_ref)
 
 
 def _await_flag(flag_ref, value):
@@ -190,6 +252,7 @@ class _Layout:
   has_rank: bool
   flag_rows: int        # 0: no producer flags
   ready_rows: int       # 0: no consumer waits
+  ready_flags: int      # uint64 ready flags before the claim words
   ready_value: int
   ordered: bool
   n_operands: int
@@ -266,9 +329,7 @@ def _kernel_body(lay: _Layout, *refs):
         block = lax.rem(block + rank, lay.blocks_of[spec.ref])
       return block * lay.rows + i * TILE_M
 
-    @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm", init_carry=jnp.int32(-1))
-    def last_flag(info, carry):
-      (t,) = info.index
+    def tile(t, carry):
       mi, ni = plgpu.planar_snake(t, (m_tiles, n_tiles), 0, band)
       i = lax.rem(mi, block_tiles)
       cols = pl.ds(ni * cta_n + wg * TILE_N, TILE_N)   # this warpgroup's half (compute wgs)
@@ -330,6 +391,25 @@ def _kernel_body(lay: _Layout, *refs):
           pl.when(mi // block_tiles == j)(functools.partial(run_block, blk))
       return flag if flags_gmem is not None else carry
 
+    total = m_tiles * n_tiles
+    if lay.ready_rows:  # a walk that waits claims its tiles in walk order
+      sm = lax.axis_index("sm")
+      claims = 2 * lay.ready_flags
+      next_tile = lambda parity: _claim_tile(
+          ready_gmem.at[pl.ds(claims, 1)], ready_gmem.at[pl.ds(claims + 2 + 2 * sm + parity, 1)])
+
+      def claimed(c):
+        t, parity, carry = c
+        carry = tile(t, carry)
+        return next_tile(1 - parity), 1 - parity, carry
+
+      _, _, last_flag = lax.while_loop(lambda c: c[0] < total, claimed,
+                                       (next_tile(0), jnp.int32(0), jnp.int32(-1)))
+    else:
+      @plgpu.nd_loop((total,), collective_axes="sm", init_carry=jnp.int32(-1))
+      def last_flag(info, carry):
+        return tile(info.index[0], carry)
+
     if defer:  # this CTA's last tile (memory warpgroup: last)
       @pl.when((wg < COMPUTE_WGS) & (last_flag >= 0))
       def _last_tile():
@@ -345,8 +425,9 @@ def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
   the kernel's own result (Rows.ref RESULT), or None. Returns the result (typed varying as
   its operands are), or a token (int32 [128]) when there is none: every later reader of an
   operand written in place (and of `flags`) must depend on it. rank: this rank (an int32
-  scalar, e.g. axis_index), for Rows.by_rank. ready: int32 [2 * flags] (uint64 flags) per
-  ready_rows rows of the blocks waited for (WalkBlock.ready_block). flags: int32
+  scalar, e.g. axis_index), for Rows.by_rank. ready: int32 [ready_words(flags)], zero before
+  the kernel: a uint64 flag per ready_rows rows of the blocks waited for
+  (WalkBlock.ready_block), then the tile claims. flags: int32
   [len(walk) * rows // flag_rows], per flag_rows rows of the walk (those of blocks with
   `flag` are raised), zero before the kernel."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -369,6 +450,10 @@ def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
     if used and (r % TILE_M or rows % r):
       raise ValueError(f"jax_hoccl flagged GEMM: {name}={r} must be a multiple of {TILE_M} "
                        f"dividing R={rows}")
+  if ready is not None and (ready.shape[0] < CLAIM_WORDS or ready.shape[0] % 2
+                           or _sm_count() > MAX_CTAS):
+    raise ValueError(f"jax_hoccl flagged GEMM: ready must have ready_words(flags) = "
+                     f"{CLAIM_WORDS} + 2 * flags words, got {ready.shape[0]}")
   if any(b.add and b.out.ref == RESULT for b in walk):
     raise ValueError("jax_hoccl flagged GEMM: a block adds into an operand, not the result")
   if any(b.wait for b in walk) != (ready is not None) or any(b.flag for b in walk) != (
@@ -377,7 +462,9 @@ def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
                      "waits/raises flags")
   lay = _Layout(walk=walk, rows=rows, k=k, n=n, blocks_of=tuple(blocks_of),
                 has_rank=rank is not None, flag_rows=flag_rows if flags is not None else 0,
-                ready_rows=ready_rows if ready is not None else 0, ready_value=int(ready_value),
+                ready_rows=ready_rows if ready is not None else 0,
+                ready_flags=(ready.shape[0] - CLAIM_WORDS) // 2 if ready is not None else 0,
+                ready_value=int(ready_value),
                 ordered=bool(_ordered), n_operands=len(operands), has_result=result is not None)
   out_type = (jax.ShapeDtypeStruct((result[0], n), result[1]) if result is not None
               else jax.ShapeDtypeStruct((128,), jnp.int32))

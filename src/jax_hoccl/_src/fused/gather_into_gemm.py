@@ -35,8 +35,8 @@ def _abstract_eval(x, *, axes, axis_size, ready_rows, site):
   vma = ji.varying_axes(x)
   rows = (axis_size - 1) * x.shape[0]
   gathered = ji.with_type(x, (axis_size - 1, *x.shape), vma)
-  ready = ji.with_type(x, (2 * (rows // ready_rows),), vma).update(dtype=np.dtype(np.int32),
-                                                                    weak_type=False)
+  ready = ji.with_type(x, (fg.ready_words(rows // ready_rows),), vma).update(
+      dtype=np.dtype(np.int32), weak_type=False)
   token = ji.with_type(x, (), vma).update(dtype=np.dtype(np.int32), weak_type=False)
   return [gathered, ready, token]
 
@@ -56,7 +56,8 @@ def applies(x, w, n) -> bool:
   """Whether the flagged GEMM takes all_gather_matmul(x, w) (x 2-D [m, K] per rank)."""
   m, k = x.shape
   return (n > 1 and m % READY_ROWS == 0
-          and fg.unsupported_reason(n * m, k, w.shape[1], x.dtype, None, w.dtype) is None)
+          and fg.unsupported_reason(n * m, k, w.shape[1], x.dtype, None, w.dtype) is None
+          and fg.peer_wait_reason() is None)
 
 
 def walk(n):

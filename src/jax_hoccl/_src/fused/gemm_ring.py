@@ -54,7 +54,7 @@ def _abstract_eval(like, *, axes, axis_size, rows, band_rows, dtype, n_out, gath
   i32 = dict(dtype=np.dtype(np.int32), weak_type=False)
   last = block(n, vma - set(axes)) if gather else block(1)
   return [block(1), block(n - 2), ji.with_type(like, (n * rows // band_rows,), vma).update(**i32),
-          ji.with_type(like, (2 * bands,), vma).update(**i32), last,
+          ji.with_type(like, (fg.ready_words(bands),), vma).update(**i32), last,
           ji.with_type(like, (), vma).update(**i32)]
 
 
@@ -83,7 +83,8 @@ def applies(x, w, n) -> bool:
   """Whether the flagged GEMM takes the ring for x [M, K] (per rank) @ w."""
   m, k = x.shape
   return (n > 1 and m % n == 0 and band_rows(m // n) is not None
-          and fg.unsupported_reason(m, k, w.shape[1], x.dtype, None, w.dtype) is None)
+          and fg.unsupported_reason(m, k, w.shape[1], x.dtype, None, w.dtype) is None
+          and fg.peer_wait_reason() is None)
 
 
 SEND, LAST, RECV = 1, 2, 3  # the kernel's operands after x (recv only when n > 2)

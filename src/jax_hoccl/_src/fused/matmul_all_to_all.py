@@ -84,6 +84,7 @@ def _mma2a_fwd(x, w, axis_name):
   return _mma2a(x, w, axis_name), (x, w)
 
 
+@axes_lib.names_errors("matmul_all_to_all")
 def _mma2a_bwd(axis_name, res, ct):
   x, w = res
   ct = all_to_all(ct, axis_name, 0, 0, tiled=True)  # all_to_all is its own transpose
@@ -96,6 +97,7 @@ def _mma2a_bwd(axis_name, res, ct):
 _mma2a.defvjp(_mma2a_fwd, _mma2a_bwd)
 
 
+@axes_lib.names_errors("matmul_all_to_all")
 def matmul_all_to_all(x, w, axis_name):
   """all_to_all(jnp.matmul(x, w), axis_name, 0, 0, tiled=True) for x [n, ..., K] (block j
   for rank j) and w [..., K, N] (broadcast like jnp.matmul, e.g. [E, K, N] per-expert

@@ -93,6 +93,7 @@ def _mmps_fwd(x, w, axis_name, chunks):
   return _mmps(x, w, axis_name, chunks), (x, w)
 
 
+@axes_lib.names_errors("matmul_psum")
 def _mmps_bwd(axis_name, chunks, res, ct):
   x, w = res
   axes, _ = axes_lib.check_axes(axis_name, "matmul_psum")
@@ -108,6 +109,7 @@ def _mmps_bwd(axis_name, chunks, res, ct):
 _mmps.defvjp(_mmps_fwd, _mmps_bwd)
 
 
+@axes_lib.names_errors("matmul_psum")
 def matmul_psum(x, w, axis_name, *, chunks=None):
   """psum(x @ w, axis_name) for x [M, ..., K] (K sharded over the axis) and w [K, N];
   returns [M, ..., N], invariant over the axis. Call inside shard_map.

@@ -79,6 +79,7 @@ def _mmrs_fwd(x, w, axis_name, chunks):
   return _mmrs(x, w, axis_name, chunks), (x, w)
 
 
+@axes_lib.names_errors("matmul_reduce_scatter")
 def _mmrs_bwd(axis_name, chunks, res, ct):
   x, w = res
   axes, n = axes_lib.check_axes(axis_name, "matmul_reduce_scatter")
@@ -92,6 +93,7 @@ def _mmrs_bwd(axis_name, chunks, res, ct):
 _mmrs.defvjp(_mmrs_fwd, _mmrs_bwd)
 
 
+@axes_lib.names_errors("matmul_reduce_scatter")
 def matmul_reduce_scatter(x, w, axis_name, *, chunks=None):
   """psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True) for x [M, ..., K]
   (K sharded over the axis: each rank holds a partial product) and w [K, N]; returns
