@@ -252,7 +252,6 @@ def test_walk_progresses_while_another_kernel_holds_most_sms(held):
                    jnp.zeros((2 * bands,), jnp.int32))
   send, last, ready, flags = fresh()
   f(x, send, last, ready.at[:2 * bands].set(1), flags).block_until_ready()  # compile
-  print("compiled", flush=True)
   send, last, ready, flags = fresh()
   for v in (send, last, ready, flags):
     v.block_until_ready()
@@ -293,12 +292,8 @@ def test_walk_progresses_while_another_kernel_holds_most_sms(held):
     finished_while_held = token.is_ready()
   finally:
     word.value = 1  # release the SMs whatever happened, so a stalled walk finishes too
-    print("released; holder", cu.cuStreamQuery(holder)[0], "copier", cu.cuStreamQuery(copier)[0],
-          "flags", np.asarray(flags).tolist() if token.is_ready() else "pending", flush=True)
     ck(cu.cuStreamSynchronize(holder))
-  print("holder done", flush=True)
   token.block_until_ready()
-  print("walk done", flush=True)
   ck(cu.cuStreamSynchronize(copier))
   assert finished_while_held, "the walk stalled on the SMs another kernel left"
   xf, bf = np.asarray(x, np.float32), np.asarray(b, np.float32)
