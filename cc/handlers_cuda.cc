@@ -19,8 +19,8 @@
 #include "driver_api.h"
 #include "handler_common.h"
 #include "handlers.h"
-#include "job.h"
 #include "host_profile.h"
+#include "job.h"
 #include "plan.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -61,16 +61,18 @@ ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffe
     return v && *v && std::strcmp(v, "0") != 0;
   }();
   if (debug) {
-    std::fprintf(stderr, "[jax_hoccl] handler %s: device %lld, stream %p, %zu groups entries, group size %lld\n",
-                 OpName(op), static_cast<long long>(device), static_cast<void*>(stream),
-                 groups.size(), static_cast<long long>(group_size));
+    std::fprintf(
+        stderr,
+        "[jax_hoccl] handler %s: device %lld, stream %p, %zu groups entries, group size %lld\n",
+        OpName(op), static_cast<long long>(device), static_cast<void*>(stream), groups.size(),
+        static_cast<long long>(group_size));
     std::fflush(stderr);
   }
   OpSpec spec;
   std::vector<int64_t> ids;
-  ffi::Error decoded = DecodeOp(op, GlobalDeviceId(device), x.size_bytes(), out->size_bytes(), groups,
-                                group_size, permute_dst, false, &spec, &ids, false, false,
-                                skip_own);
+  ffi::Error decoded =
+      DecodeOp(op, GlobalDeviceId(device), x.size_bytes(), out->size_bytes(), groups, group_size,
+               permute_dst, false, &spec, &ids, false, false, skip_own);
   if (!decoded.success()) return decoded;
   // Every rank sees the same shapes, so all skip together and sequence numbers stay in step.
   if (spec.bytes == 0) return ffi::Error::Success();
@@ -98,10 +100,8 @@ ffi::Error AllToAllCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
 }
 ffi::Error PermuteCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                       int64_t group_size, ffi::Span<const int64_t> permute_dst,
-                       int64_t site) {
-  return RunCuda(OpKind::kPermute, stream, device, x, out, groups, group_size, permute_dst,
-                 site);
+                       int64_t group_size, ffi::Span<const int64_t> permute_dst, int64_t site) {
+  return RunCuda(OpKind::kPermute, stream, device, x, out, groups, group_size, permute_dst, site);
 }
 
 // ---- async pairs: start forks XLA's stream onto one of this device's async streams and
@@ -153,7 +153,8 @@ ffi::ErrorOr<std::pair<cudaStream_t, int>> StartStream(AsyncState& a, cudaStream
     return CudaFail("cudaEventCreateWithFlags", e);
   if (!async && (e = cudaStreamCreateWithFlags(&async, cudaStreamNonBlocking)) != cudaSuccess)
     return CudaFail("cudaStreamCreateWithFlags", e);
-  if ((e = cudaEventRecord(a.fork, xla_stream)) != cudaSuccess) return CudaFail("cudaEventRecord", e);
+  if ((e = cudaEventRecord(a.fork, xla_stream)) != cudaSuccess)
+    return CudaFail("cudaEventRecord", e);
   if ((e = cudaStreamWaitEvent(async, a.fork, 0)) != cudaSuccess)
     return CudaFail("cudaStreamWaitEvent", e);
   return std::make_pair(async, 1 + static_cast<int>(stream_index));
@@ -175,8 +176,8 @@ ffi::Error FinishStart(AsyncState& a, cudaStream_t stream, int64_t site) {
 }
 
 // One exchange on a start's stream (StartStream).
-ffi::Error EnqueueExchange(OpKind op, cudaStream_t stream, int lane, int32_t device,
-                           const void* in, size_t in_bytes, void* out_data, size_t out_bytes,
+ffi::Error EnqueueExchange(OpKind op, cudaStream_t stream, int lane, int32_t device, const void* in,
+                           size_t in_bytes, void* out_data, size_t out_bytes,
                            ffi::Span<const int64_t> groups, int64_t group_size,
                            ffi::Span<const int64_t> permute_dst, int64_t site, bool peers_only,
                            bool at_source_slot, bool in_place, const Announce* announce) {
@@ -215,9 +216,9 @@ ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, const v
 }
 
 ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                              ffi::RemainingRets rets,
-                              ffi::Span<const int64_t> groups, int64_t group_size,
-                              int64_t peers_only, int64_t stream_index, int64_t site) {
+                              ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                              int64_t group_size, int64_t peers_only, int64_t stream_index,
+                              int64_t site) {
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return out_or.error();
   ffi::Result<ffi::AnyBuffer> out = *out_or;
@@ -229,10 +230,9 @@ ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffe
 // buffer: args (x[, dst]); when dst is given the output aliases it (set in the lowering),
 // else XLA allocates it and the other rows stay unwritten for later calls of the chain.
 ffi::Error IntoStartCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
-                         ffi::RemainingRets rets,
-                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t offset,
-                         ffi::Span<const int64_t> permute_dst, int64_t in_place,
-                         int64_t stream_index, int64_t site) {
+                         ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                         int64_t group_size, int64_t offset, ffi::Span<const int64_t> permute_dst,
+                         int64_t in_place, int64_t stream_index, int64_t site) {
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return out_or.error();
   ffi::Result<ffi::AnyBuffer> out = *out_or;
@@ -244,9 +244,8 @@ ffi::Error IntoStartCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs
                    stream_index, site, false, permute, into->in_place);
 }
 ffi::Error AllToAllStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                             ffi::RemainingRets rets,
-                             ffi::Span<const int64_t> groups, int64_t group_size,
-                             int64_t stream_index, int64_t site) {
+                             ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                             int64_t group_size, int64_t stream_index, int64_t site) {
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return out_or.error();
   ffi::Result<ffi::AnyBuffer> out = *out_or;
@@ -255,10 +254,9 @@ ffi::Error AllToAllStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                    site, false);
 }
 ffi::Error PermuteStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                            ffi::RemainingRets rets,
-                            ffi::Span<const int64_t> groups, int64_t group_size,
-                            ffi::Span<const int64_t> permute_dst, int64_t stream_index,
-                            int64_t site) {
+                            ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                            int64_t group_size, ffi::Span<const int64_t> permute_dst,
+                            int64_t stream_index, int64_t site) {
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return out_or.error();
   ffi::Result<ffi::AnyBuffer> out = *out_or;
@@ -273,16 +271,15 @@ ffi::Error PermuteStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
 // Output 2 is the token the GEMM takes, so XLA runs it after this start.
 ffi::Error AnnouncedGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                                     ffi::Result<ffi::AnyBuffer> out,
-                                    ffi::Result<ffi::AnyBuffer> flags,
-                                    ffi::Result<ffi::AnyBuffer>,
+                                    ffi::Result<ffi::AnyBuffer> flags, ffi::Result<ffi::AnyBuffer>,
                                     ffi::Span<const int64_t> groups, int64_t group_size,
                                     int64_t announce_bytes, int64_t stream_index, int64_t site) {
-  if (announce_bytes <= 0 ||
-      flags->size_bytes() * static_cast<size_t>(announce_bytes) < out->size_bytes() * sizeof(uint64_t))
-    return ffi::Error::InvalidArgument("jax_hoccl announced gather: " +
-                                       std::to_string(flags->size_bytes()) + " bytes of flags for " +
-                                       std::to_string(out->size_bytes()) + " bytes in rows of " +
-                                       std::to_string(announce_bytes));
+  if (announce_bytes <= 0 || flags->size_bytes() * static_cast<size_t>(announce_bytes) <
+                                 out->size_bytes() * sizeof(uint64_t))
+    return ffi::Error::InvalidArgument(
+        "jax_hoccl announced gather: " + std::to_string(flags->size_bytes()) +
+        " bytes of flags for " + std::to_string(out->size_bytes()) + " bytes in rows of " +
+        std::to_string(announce_bytes));
   cudaError_t e = cudaMemsetAsync(flags->untyped_data(), 0, flags->size_bytes(), stream);
   if (e != cudaSuccess) return CudaFail("cudaMemsetAsync", e);
   Announce announce{static_cast<uint64_t*>(flags->untyped_data()),
@@ -309,7 +306,8 @@ ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBu
                              int64_t group_size, int64_t band_bytes, int64_t flag_target,
                              int64_t gather, int64_t stream_index, int64_t site) {
   HostTimer timer("start");
-  const char* op = gather ? "jax_hoccl matmul_psum ring: " : "jax_hoccl matmul_reduce_scatter ring: ";
+  const char* op =
+      gather ? "jax_hoccl matmul_psum ring: " : "jax_hoccl matmul_reduce_scatter ring: ";
   auto send = rets.get<ffi::AnyBuffer>(0), recv = rets.get<ffi::AnyBuffer>(1);
   auto gemm_flags = rets.get<ffi::AnyBuffer>(2), ready = rets.get<ffi::AnyBuffer>(3);
   auto last = rets.get<ffi::AnyBuffer>(4);
@@ -332,8 +330,8 @@ ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBu
     return ffi::Error(ffi::ErrorCode::kUnavailable,
                       std::string(op) + "the CUDA driver has no cuStreamWaitValue32");
   GroupPosition pos;  // my rank
-  std::string found = FindGroup(groups.begin(), groups.size(), group_size,
-                                GlobalDeviceId(device), &pos);
+  std::string found =
+      FindGroup(groups.begin(), groups.size(), group_size, GlobalDeviceId(device), &pos);
   if (!found.empty()) return ffi::Error::InvalidArgument(std::string(op) + found);
   const size_t r = static_cast<size_t>(pos.rank);
   cudaError_t e;
@@ -373,9 +371,9 @@ ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBu
     char* from = j == 0 ? send_at + at : recv_at + (j - 1) * block_bytes + at;
     char* into = j + 2 < n ? recv_at + j * block_bytes + at : last_at + at;  // on rank r+1
     Announce announce{announced + b, static_cast<size_t>(band_bytes)};
-    err = EnqueueExchange(OpKind::kPermute, stream->first, stream->second, device, from,
-                          band_bytes, into, band_bytes, groups, group_size, next, site, false,
-                          false, false, &announce);
+    err = EnqueueExchange(OpKind::kPermute, stream->first, stream->second, device, from, band_bytes,
+                          into, band_bytes, groups, group_size, next, site, false, false, false,
+                          &announce);
     if (!err.success()) return err;
   }
   if (gather) {
@@ -387,10 +385,9 @@ ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBu
         const std::vector<int64_t> dst = shift(k);
         err = EnqueueExchange(OpKind::kPermute, stream->first, stream->second, device,
                               last_at + b * band_bytes, band_bytes,
-                              out_at + ((r + n - k) % n) * block_bytes + b * band_bytes,
-                              band_bytes, groups, group_size,
-                              ffi::Span<const int64_t>(dst.data(), dst.size()), site, false,
-                              false, false, nullptr);
+                              out_at + ((r + n - k) % n) * block_bytes + b * band_bytes, band_bytes,
+                              groups, group_size, ffi::Span<const int64_t>(dst.data(), dst.size()),
+                              site, false, false, false, nullptr);
         if (!err.success()) return err;
       }
     }
@@ -398,8 +395,8 @@ ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBu
   return FinishStart(a, stream->first, site);
 }
 
-ffi::Error DoneCuda(cudaStream_t xla_stream, int32_t device, ffi::RemainingArgs,
-                    ffi::RemainingRets, int64_t site) {
+ffi::Error DoneCuda(cudaStream_t xla_stream, int32_t device, ffi::RemainingArgs, ffi::RemainingRets,
+                    int64_t site) {
   HostTimer timer("done");
   AsyncState& a = AsyncStateFor(device);
   auto it = a.pending.find(site);

@@ -64,12 +64,12 @@ std::string Num(double x) {
   return b;
 }
 
-constexpr size_t kABytes = 8 << 20;             // cudaMalloc
-constexpr size_t kBBytes = (3 << 20) + 100;     // AllocExportable (rounds up)
-constexpr size_t kOffA = (1 << 20) + 4;         // offsets of the described ranges
+constexpr size_t kABytes = 8 << 20;          // cudaMalloc
+constexpr size_t kBBytes = (3 << 20) + 100;  // AllocExportable (rounds up)
+constexpr size_t kOffA = (1 << 20) + 4;      // offsets of the described ranges
 constexpr size_t kOffB = 2 << 20;
-constexpr size_t kCheckBytes = 1 << 20;         // bytes copied back and compared
-constexpr size_t kWriteOff = 3 << 20;           // where the importer writes into B
+constexpr size_t kCheckBytes = 1 << 20;  // bytes copied back and compared
+constexpr size_t kWriteOff = 3 << 20;    // where the importer writes into B
 constexpr int kWriteWords = 16;
 
 uint32_t PatternA(size_t i) { return 0xA0000000u ^ static_cast<uint32_t>(i * 2654435761u); }
@@ -185,9 +185,8 @@ int Importer(int pipe_fd) {
   }
   Info("DescribeRange + 2 cached MapPeerRange: " + Num(Micros(t0, 1000)) + " us per iteration");
   Check(same && CountFds() == fds && LivePeerMappings() == 2,
-        "1000 x DescribeRange + MapPeerRange: same results, fds " + std::to_string(fds) +
-            " -> " + std::to_string(CountFds()) + ", mappings " +
-            std::to_string(LivePeerMappings()));
+        "1000 x DescribeRange + MapPeerRange: same results, fds " + std::to_string(fds) + " -> " +
+            std::to_string(CountFds()) + ", mappings " + std::to_string(LivePeerMappings()));
 
   // 50 x unmap everything + map again (each VMM map asks the fd server): nothing leaks.
   fds = CountFds();
@@ -238,8 +237,8 @@ void RemapSameAddress() {
   Check(ok, "replace the physical memory behind the same address");
   Ok(DescribeRange(c, &r2), "DescribeRange after the replacement");
   Check(r2.base == r1.base && r2.handle_id != r1.handle_id,
-        "new VMM allocation at the same base: handle_id " + std::to_string(r1.handle_id) +
-            " -> " + std::to_string(r2.handle_id));
+        "new VMM allocation at the same base: handle_id " + std::to_string(r1.handle_id) + " -> " +
+            std::to_string(r2.handle_id));
 }
 
 int Owner() {

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh clone: sets up .venv and Bazel (scripts/bootstrap.sh),
-# builds the package with pip (CMake), then `bazel test //...`, which builds cc/ again with
-# Bazel and runs the C++ scheduler test and the pytest suite against the Bazel-built
-# extension, and finally what a user does: a plain (isolated) `pip install .` into fresh
-# environments with the oldest supported and the newest jax (scripts/check_pip_install.sh).
+# builds the package with pip (CMake), checks lint and format (ruff, clang-format), then
+# `bazel test //...`, which builds cc/ again with Bazel and runs the C++ scheduler test and
+# the pytest suite against the Bazel-built extension, and finally what a user does: a plain
+# (isolated) `pip install .` into fresh environments with the oldest supported and the newest
+# jax (scripts/check_pip_install.sh).
 # GPU tests skip without a GPU (run scripts/gpu_check.sh on a GPU machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,21 @@ bash scripts/bootstrap.sh
 export JAX_HOCCL_PYTHON="$PWD/.venv/bin/python"
 log=$(mktemp)
 status=0
-bazel test //... --test_output=all 2>&1 | tee "$log" || status=$?
+# Lint and format (pyproject.toml's ruff rules, .clang-format), and the docs' layout against
+# the tree (tests/test_docs.py needs the checkout, which Bazel's test copy is not).
+lint() {
+  # (each step returns on failure itself: set -e does not apply left of `||`)
+  .venv/bin/ruff check --quiet . || return 1
+  find cc -name '*.cc' -o -name '*.h' | xargs .venv/bin/clang-format --dry-run --Werror || return 1
+  local out  # kept out of the log: its pytest summary is not the suite's
+  out=$(.venv/bin/python -P -m pytest -q -p no:cacheprovider tests/test_docs.py 2>&1) ||
+    { echo "$out" | tail -20; return 1; }
+  echo "run_tests.sh: lint and format clean"
+}
+lint_status=0
+lint 2>&1 | tee "$log" || lint_status=$?
+if [ "$lint_status" -ne 0 ]; then status=$lint_status; fi
+bazel test //... --test_output=all 2>&1 | tee -a "$log" || status=$?
 bazel shutdown >/dev/null 2>&1 || true
 pip_status=0
 bash scripts/check_pip_install.sh 2>&1 | grep -v "^WARNING: Location" | tee -a "$log" || pip_status=$?
@@ -22,6 +37,7 @@ summary=$(grep -E "[0-9]+ passed.* in [0-9.]+s" "$log" | tail -1 || true)
 count() { echo "$summary" | grep -oE "[0-9]+ $1" | awk '{s += $1} END {print s + 0}' || true; }
 passed=$(count passed); failed=$(( $(count failed) + $(count error) )); skipped=$(count skipped)
 if grep -q "//cc:plan_test .*PASSED" "$log"; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+if grep -q "run_tests.sh: lint and format clean" "$log"; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
 if grep -q "check_pip_install.sh: plain pip install works" "$log"; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
 if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then failed=1; fi
 echo "tests: ${passed} passed, ${failed} failed, ${skipped} skipped"
