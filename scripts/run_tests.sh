@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh clone: sets up .venv and Bazel (scripts/bootstrap.sh),
-# builds the package with pip (CMake), checks lint and format (ruff, clang-format), then
+# builds the package with pip (CMake), checks lint and format (ruff, clang-format), builds
+# cc/cuda/ipc_memory_test.cc (with nvcc), then
 # `bazel test //...`, which builds cc/ again with Bazel and runs the C++ scheduler test and
 # the pytest suite against the Bazel-built extension, and finally what a user does: a plain
 # (isolated) `pip install .` into fresh environments with the oldest supported and the newest
@@ -26,6 +27,17 @@ lint() {
 lint_status=0
 lint 2>&1 | tee "$log" || lint_status=$?
 if [ "$lint_status" -ne 0 ]; then status=$lint_status; fi
+# cc/cuda/ipc_memory_test.cc wherever the CUDA toolkit is: it needs a GPU only to run (without
+# one it says SKIPPED; scripts/gpu_check.sh runs it on one).
+ipc_test() {
+  if ! command -v nvcc >/dev/null 2>&1; then echo "run_tests.sh: ipc_memory_test: no nvcc"; return 0; fi
+  cmake -S . -B build/ipc_memory_test -DPython_EXECUTABLE="$PWD/.venv/bin/python" >/dev/null &&
+    cmake --build build/ipc_memory_test --target ipc_memory_test >/dev/null || return 1
+  echo "run_tests.sh: ipc_memory_test: $(build/ipc_memory_test/ipc_memory_test | tail -1)"
+}
+ipc_status=0
+ipc_test 2>&1 | tee -a "$log" || ipc_status=$?
+if [ "$ipc_status" -ne 0 ]; then status=$ipc_status; fi
 bazel test //... --test_output=all 2>&1 | tee -a "$log" || status=$?
 bazel shutdown >/dev/null 2>&1 || true
 pip_status=0
@@ -38,6 +50,7 @@ count() { echo "$summary" | grep -oE "[0-9]+ $1" | awk '{s += $1} END {print s +
 passed=$(count passed); failed=$(( $(count failed) + $(count error) )); skipped=$(count skipped)
 if grep -q "//cc:plan_test .*PASSED" "$log"; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
 if grep -q "run_tests.sh: lint and format clean" "$log"; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+if grep -qE "ipc_memory_test: (no nvcc|SKIPPED|ALL PASSED)" "$log"; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
 if grep -q "check_pip_install.sh: plain pip install works" "$log"; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
 if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then failed=1; fi
 echo "tests: ${passed} passed, ${failed} failed, ${skipped} skipped"

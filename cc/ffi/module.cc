@@ -8,13 +8,13 @@
 #include <tuple>
 
 #include "communicator.h"
-#include "cpu_cross_process.h"
+#include "cpu/cpu_cross_process.h"
 #include "job.h"
 #include "node_rendezvous.h"
 #ifdef JAX_HOCCL_WITH_CUDA
-#include "ipc_memory.h"
+#include "cuda/ipc_memory.h"
 #endif
-#include "handlers.h"
+#include "ffi/handlers.h"
 #include "host_profile.h"
 #include "plan.h"
 

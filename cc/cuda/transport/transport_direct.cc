@@ -1,4 +1,4 @@
-#include "transport_direct.h"
+#include "cuda/transport/transport_direct.h"
 
 #include <cuda_runtime_api.h>
 

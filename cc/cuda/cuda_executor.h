@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "communicator.h"
-#include "peer_transport.h"
+#include "cuda/transport/peer_transport.h"
 #include "plan.h"
 
 namespace hoccl {

@@ -1,4 +1,4 @@
-#include "ipc_memory.h"
+#include "cuda/ipc_memory.h"
 
 // No iostreams in this file: see the note in communicator.cc.
 
@@ -20,7 +20,7 @@
 #include <thread>
 #include <tuple>
 
-#include "driver_api.h"
+#include "cuda/driver_api.h"
 
 namespace hoccl {
 

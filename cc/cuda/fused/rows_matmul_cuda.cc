@@ -27,8 +27,8 @@
 #include <tuple>
 #include <vector>
 
+#include "ffi/handlers.h"
 #include "group.h"
-#include "handlers.h"
 #include "host_profile.h"
 #include "job.h"
 #include "xla/ffi/api/ffi.h"

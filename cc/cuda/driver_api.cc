@@ -1,4 +1,4 @@
-#include "driver_api.h"
+#include "cuda/driver_api.h"
 
 #include <cuda_runtime_api.h>
 

@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "communicator.h"
+#include "cuda/transport/peer_transport.h"
 #include "node_rendezvous.h"
-#include "peer_transport.h"
 
 namespace hoccl {
 

@@ -1,11 +1,11 @@
-#include "transport_ipc.h"
+#include "cuda/transport/transport_ipc.h"
 
 #include <unistd.h>
 
 #include <cstring>
 #include <mutex>
 
-#include "ipc_memory.h"
+#include "cuda/ipc_memory.h"
 #include "job.h"
 
 namespace hoccl {

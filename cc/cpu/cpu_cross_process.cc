@@ -1,4 +1,4 @@
-#include "cpu_cross_process.h"
+#include "cpu/cpu_cross_process.h"
 
 #include <sys/mman.h>
 
@@ -8,7 +8,7 @@
 #include <mutex>
 #include <tuple>
 
-#include "cpu_executor.h"
+#include "cpu/cpu_executor.h"
 #include "node_rendezvous.h"
 
 namespace hoccl {

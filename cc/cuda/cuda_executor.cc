@@ -1,4 +1,4 @@
-#include "cuda_executor.h"
+#include "cuda/cuda_executor.h"
 
 // No iostreams in this file (nor in the communicator): see the note in communicator.cc.
 
@@ -15,11 +15,11 @@
 #include <set>
 #include <utility>
 
-#include "driver_api.h"
+#include "cuda/driver_api.h"
+#include "cuda/transport/transport_direct.h"
+#include "cuda/transport/transport_ipc.h"
 #include "host_profile.h"
 #include "job.h"
-#include "transport_direct.h"
-#include "transport_ipc.h"
 
 namespace hoccl {
 

@@ -2,7 +2,7 @@
 // group and rank, and meet the peers in the communicator's rendezvous; the last rank to
 // arrive runs every rank's copies (cpu_executor.h). The handlers are asynchronous (they
 // return an ffi::Future), so no thread of XLA:CPU's shared pool waits for a peer. The CUDA
-// handlers (handlers_cuda.cc) take the same attributes, so the Python lowering is identical.
+// handlers (cuda/handlers_cuda.cc) take the same attributes, so the Python lowering is identical.
 #include <atomic>
 #include <map>
 #include <memory>
@@ -12,10 +12,10 @@
 #include <vector>
 
 #include "communicator.h"
-#include "cpu_cross_process.h"
-#include "cpu_executor.h"
-#include "handler_common.h"
-#include "handlers.h"
+#include "cpu/cpu_cross_process.h"
+#include "cpu/cpu_executor.h"
+#include "ffi/handler_common.h"
+#include "ffi/handlers.h"
 #include "host_profile.h"
 #include "job.h"
 #include "plan.h"
@@ -134,7 +134,7 @@ ffi::Future AllGatherStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                 out->untyped_data(), out->size_bytes(), groups, group_size, {}, peers_only != 0);
 }
 // all_gather, or a ppermute into the sender's slot, into rows [offset, ...) of a larger
-// buffer: args (x[, dst]), the output aliasing dst when given (handlers_cuda.cc says more).
+// buffer: args (x[, dst]), the output aliasing dst when given (cuda/handlers_cuda.cc says more).
 ffi::Future IntoStartCpu(int32_t device, CpuCall* call, ffi::RemainingArgs args,
                          ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
                          int64_t group_size, int64_t offset, ffi::Span<const int64_t> permute_dst,
