@@ -3,7 +3,9 @@ of the raise (CUPTI kernel time, 3 interleaved rounds of 20 calls, speed relativ
 of the same round): no raise at all, a relaxed add instead of the release, no warpgroup
 barrier before it."""
 import statistics
-import numpy as np, jax, jax.numpy as jnp
+import numpy as np
+import jax
+import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import profiler
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
@@ -31,7 +33,8 @@ variants = {"shipped": shipped, "none": lambda *a, **k: None,
 for m, k, n in [(4096, 8192, 8192), (4096, 4096, 8192), (16384, 8192, 8192)]:
   a = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
   b = (jax.random.normal(jax.random.key(1), (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-  out = jnp.zeros((m, n), jnp.bfloat16); flags = jnp.zeros((m // 1024,), jnp.int32)
+  out = jnp.zeros((m, n), jnp.bfloat16)
+  flags = jnp.zeros((m // 1024,), jnp.int32)
   xla = jax.jit(lambda a, b: a @ b)
   fns = {}
   for name, fn in variants.items():

@@ -1,8 +1,10 @@
 """The flagged GEMM alone against XLA's dot on one GPU (CUPTI kernel time; three interleaved
 rounds of 20 calls each, medians), with its flags on and, for reference, with the flag raises
 removed (what the flags cost)."""
-import statistics, sys
-import numpy as np, jax, jax.numpy as jnp
+import statistics
+import numpy as np
+import jax
+import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import profiler
 from jax_hoccl._src.fused import flagged_gemm as fg
 
@@ -14,7 +16,8 @@ shapes = [(4096, 8192, 8192), (16384, 8192, 8192), (4096, 4096, 8192)]
 for m, k, n in shapes:
   a = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
   b = (jax.random.normal(jax.random.key(1), (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-  out = jnp.zeros((m, n), jnp.bfloat16); flags = jnp.zeros((m // 1024,), jnp.int32)
+  out = jnp.zeros((m, n), jnp.bfloat16)
+  flags = jnp.zeros((m // 1024,), jnp.int32)
   xla = jax.jit(lambda a, b: a @ b)
   flagged = jax.jit(lambda a, b, o, fl: fg.flagged_matmul(a, b, out=o, flags=fl, flag_rows=1024))
   raise_flag = fg._raise_flag
@@ -28,7 +31,9 @@ for m, k, n in shapes:
   fg.FLAG_SCOPE = "gpu"
   tx, tf, tn, ts = [], [], [], []
   for _ in range(3):
-    tx.append(t(xla, a, b)); tf.append(t(flagged, a, b, out, flags)); tn.append(t(noflags, a, b, out, flags))
+    tx.append(t(xla, a, b))
+    tf.append(t(flagged, a, b, out, flags))
+    tn.append(t(noflags, a, b, out, flags))
     ts.append(t(sysflags, a, b, out, flags))
   ref = xla(a, b)
   err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))

@@ -1,5 +1,5 @@
 """Can another process map XLA's device buffers with CUDA IPC? The question one process per GPU
-(cross-process copy engines, the `PeerTransport` seam in cc/cuda_executor.h) starts from.
+(cross-process copy engines, the `PeerTransport` seam in cc/cuda/cuda_executor.h) starts from.
 
     python3 benchmarks/probe_ipc.py          # on a machine with >= 2 GPUs
 

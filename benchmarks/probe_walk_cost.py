@@ -5,7 +5,9 @@ ready flags already up, against XLA's dot of the same M x K x N and the plain fl
 three interleaved rounds of 20 calls, medians. What is left over the plain kernel is compute-
 side cost that two GPUs cannot hide."""
 import statistics
-import numpy as np, jax, jax.numpy as jnp
+import numpy as np
+import jax
+import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import profiler
 from jax_hoccl._src.fused import flagged_gemm as fg, gather_into_gemm as gig, gemm_ring as gr
 

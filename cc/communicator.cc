@@ -1,7 +1,7 @@
 #include "communicator.h"
 
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <thread>
 
@@ -149,8 +149,9 @@ std::string Communicator::MissingPeers(const char* op, int rank, uint64_t seq,
                   " waiting for missing peer(s):";
   for (int p = 0; p < size(); ++p)
     if (!arrived[p]) o += " " + Describe(p) + ";";
-  return o + " every peer must call the same collectives in the same order. This communicator"
-             " is now unusable; restart the process.";
+  return o +
+         " every peer must call the same collectives in the same order. This communicator"
+         " is now unusable; restart the process.";
 }
 
 std::string Communicator::WaitArrived(uint64_t seq, int rank, int peer, const char* op) {

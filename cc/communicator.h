@@ -80,8 +80,8 @@ class Communicator {
   // One-time setup exchange of one pointer per rank (e.g. the address of each rank's device
   // flag array): publish `value` for `rank` under `name`, then wait until every rank has
   // published under that name and fill `all` (indexed by rank). Times out like WaitArrived.
-  std::string ExchangeSetup(const std::string& name, int rank, void* value,
-                            std::vector<void*>* all, const char* op);
+  std::string ExchangeSetup(const std::string& name, int rank, void* value, std::vector<void*>* all,
+                            const char* op);
 
  private:
   friend size_t LiveSlotCount();
@@ -99,7 +99,7 @@ class Communicator {
     std::string op;  // the user's op, for the timeout message
     std::chrono::steady_clock::time_point since;
   };
-  Slot& SlotFor(uint64_t seq);  // requires mu_
+  Slot& SlotFor(uint64_t seq);               // requires mu_
   std::string Fail(const std::string& msg);  // requires mu_
   std::string Describe(int rank) const;
   // The timeout error of `rank` at `seq`, naming the op and every rank not in `arrived`.

@@ -23,11 +23,13 @@ class HostTimer {
  public:
   explicit HostTimer(const char* phase)
       : phase_(HostProfileEnabled() ? phase : nullptr),
-        start_(phase_ ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point()) {}
+        start_(phase_ ? std::chrono::steady_clock::now()
+                      : std::chrono::steady_clock::time_point()) {}
   ~HostTimer() {
     if (phase_)
       HostProfileAdd(phase_, std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                 std::chrono::steady_clock::now() - start_).count());
+                                 std::chrono::steady_clock::now() - start_)
+                                 .count());
   }
   HostTimer(const HostTimer&) = delete;
   HostTimer& operator=(const HostTimer&) = delete;

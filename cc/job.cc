@@ -70,7 +70,8 @@ void SetLocalDevices(std::vector<int64_t> global_ids) {
 int64_t GlobalDeviceId(int64_t local_ordinal) {
   std::lock_guard<std::mutex> lock(g_mu);
   const auto& ids = LocalDevices();
-  if (local_ordinal < 0 || static_cast<size_t>(local_ordinal) >= ids.size() || ids[local_ordinal] < 0)
+  if (local_ordinal < 0 || static_cast<size_t>(local_ordinal) >= ids.size() ||
+      ids[local_ordinal] < 0)
     return local_ordinal;
   return ids[local_ordinal];
 }

@@ -14,7 +14,7 @@
 namespace hoccl {
 
 struct JobInfo {
-  std::string secret;                 // hex, from the job's key-value store
+  std::string secret;  // hex, from the job's key-value store
   int process_index = 0;
   std::vector<int64_t> device_process;  // device id -> process index (-1: unknown)
   std::vector<int> process_pids;        // process index -> pid (same node only; else 0)

@@ -245,7 +245,8 @@ std::string NodeRendezvous::Get(const std::vector<int64_t>& device_ids, const ch
   for (int r : local_ranks) seg->box[r].pid.store(getpid(), std::memory_order_release);
   // The last rank to attach unlinks the name: from then on only mappings hold the segment.
   if (seg->attached.fetch_add(static_cast<int32_t>(local_ranks.size())) +
-          static_cast<int32_t>(local_ranks.size()) == n) {
+          static_cast<int32_t>(local_ranks.size()) ==
+      n) {
     Unlink(name);
   }
   slot = std::make_unique<NodeRendezvous>(name, job.secret, n, device_ids, seg);
@@ -272,7 +273,8 @@ std::string NodeRendezvous::PublishedBy(int peer) const {
     char seen[kWhatBytes];
     std::memcpy(seen, e.what, kWhatBytes);
     seen[kWhatBytes - 1] = '\0';
-    if (e.version.load(std::memory_order_acquire) == v) calls += (calls.empty() ? "" : ", ") + std::string(seen);
+    if (e.version.load(std::memory_order_acquire) == v)
+      calls += (calls.empty() ? "" : ", ") + std::string(seen);
   }
   return calls.empty() ? " (in no jax_hoccl call)" : " (which is in " + calls + ")";
 }
@@ -338,15 +340,15 @@ std::string NodeRendezvous::Publish(int rank, CallKey key, const std::string& wh
   // The lowest free entry, so a steady program reuses the same few (and their staging).
   std::lock_guard<std::mutex> publishing(publish_mu_);
   int free_index = -1;
-  std::string err = WaitFor(rank, peers, op, "a free entry (peers still reading " + what + ")",
-                            [&] {
-                              for (int i = 0; i < kRingEntries; ++i)
-                                if (box.ring[i].readers_left.load(std::memory_order_acquire) == 0) {
-                                  free_index = i;
-                                  return true;
-                                }
-                              return false;
-                            });
+  std::string err =
+      WaitFor(rank, peers, op, "a free entry (peers still reading " + what + ")", [&] {
+        for (int i = 0; i < kRingEntries; ++i)
+          if (box.ring[i].readers_left.load(std::memory_order_acquire) == 0) {
+            free_index = i;
+            return true;
+          }
+        return false;
+      });
   if (!err.empty()) return err;
   Entry& e = box.ring[free_index];
   uint64_t payload[kPayloadWords] = {};

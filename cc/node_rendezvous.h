@@ -52,15 +52,15 @@ class NodeRendezvous {
                          NodeRendezvous** out);
 
   int size() const { return n_; }
-  const std::string& name() const { return name_; }  // the segment's (unlinked) name
+  const std::string& name() const { return name_; }      // the segment's (unlinked) name
   const std::string& secret() const { return secret_; }  // the job's (cc/job.h)
 
   // Publishes `rank`'s entry for `key`; waits for a free ring entry if all are in use. `fill`
   // runs first with the entry's index: it prepares what the entry points to (e.g. copies the
   // input into that entry's staging) and writes the payload; its error aborts the publish.
   using Fill = std::function<std::string(int index, uint64_t* payload)>;
-  std::string Publish(int rank, CallKey key, const std::string& what, const Fill& fill,
-                      int* index, const char* op);
+  std::string Publish(int rank, CallKey key, const std::string& what, const Fill& fill, int* index,
+                      const char* op);
   // Waits for `peer`'s entry for `key`, checks its `what` equals mine, returns its payload.
   std::string Find(int rank, int peer, CallKey key, const std::string& what, PeerEntry* out,
                    const char* op);
@@ -81,8 +81,11 @@ class NodeRendezvous {
   struct Segment;
   NodeRendezvous(std::string name, std::string secret, int n, std::vector<int64_t> device_ids,
                  Segment* seg)
-      : name_(std::move(name)), secret_(std::move(secret)), n_(n),
-        device_ids_(std::move(device_ids)), seg_(seg) {}
+      : name_(std::move(name)),
+        secret_(std::move(secret)),
+        n_(n),
+        device_ids_(std::move(device_ids)),
+        seg_(seg) {}
 
  private:
   std::string Describe(int rank) const;

@@ -115,7 +115,8 @@ std::vector<Step> MakePlan(const OpSpec& spec, const PlanOptions& options) {
     steps.push_back({StepKind::kSignalDone, p, 0, 0, 0, 0});
   }
   // 4. A ppermute destination nobody sends to gets zeros (jax.lax semantics).
-  if (spec.op == OpKind::kPermute && !receives && !spec.at_source_slot && spec.bytes > 0) steps.push_back({StepKind::kZero, r, 0, 0, 0, spec.bytes});
+  if (spec.op == OpKind::kPermute && !receives && !spec.at_source_slot && spec.bytes > 0)
+    steps.push_back({StepKind::kZero, r, 0, 0, 0, spec.bytes});
   // 5. My input may be released only when every reader is done with it.
   for (int k = 1; k < n; ++k) {
     int p = (r + n - k) % n;

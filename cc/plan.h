@@ -32,8 +32,8 @@ enum class StepKind : int {
 
 struct Step {
   StepKind kind;
-  int peer;        // the other rank (== own rank for a local copy)
-  int channel;     // which stream / engine carries a copy (0 for non-copies)
+  int peer;     // the other rank (== own rank for a local copy)
+  int channel;  // which stream / engine carries a copy (0 for non-copies)
   size_t src_offset;
   size_t dst_offset;
   size_t bytes;

@@ -22,16 +22,15 @@ namespace {
 
 int g_failures = 0;
 
-#define CHECK(cond, ...)                                                   \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      ++g_failures;                                                        \
-      std::fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, \
-                   #cond);                                                 \
-      std::fprintf(stderr, __VA_ARGS__);                                   \
-      std::fprintf(stderr, "\n");                                          \
-      if (g_failures > 50) std::exit(1);                                   \
-    }                                                                      \
+#define CHECK(cond, ...)                                                            \
+  do {                                                                              \
+    if (!(cond)) {                                                                  \
+      ++g_failures;                                                                 \
+      std::fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
+      std::fprintf(stderr, __VA_ARGS__);                                            \
+      std::fprintf(stderr, "\n");                                                   \
+      if (g_failures > 50) std::exit(1);                                            \
+    }                                                                               \
   } while (0)
 
 using hoccl::MakePlan;
@@ -155,15 +154,14 @@ void Simulate(OpSpec spec, const PlanOptions& opt, int order) {
               "%s: rank %d copy on channel %d", what.c_str(), r, s.channel);
         CHECK(s.bytes > 0, "%s: rank %d empty copy", what.c_str(), r);
         CHECK(s.peer == r || reading[r][s.peer],
-              "%s: rank %d reads rank %d's input outside WaitReady..SignalDone", what.c_str(),
-              r, s.peer);
-        CHECK(!released[s.peer] || s.peer == r,
-              "%s: rank %d reads rank %d's input after it was released", what.c_str(), r,
+              "%s: rank %d reads rank %d's input outside WaitReady..SignalDone", what.c_str(), r,
               s.peer);
-        const bool in_bounds = s.src_offset + s.bytes <= in[s.peer].size() &&
-                               s.dst_offset + s.bytes <= out[r].size();
-        CHECK(in_bounds, "%s: rank %d copy out of bounds (src %zu dst %zu bytes %zu)",
-              what.c_str(), r, s.src_offset, s.dst_offset, s.bytes);
+        CHECK(!released[s.peer] || s.peer == r,
+              "%s: rank %d reads rank %d's input after it was released", what.c_str(), r, s.peer);
+        const bool in_bounds =
+            s.src_offset + s.bytes <= in[s.peer].size() && s.dst_offset + s.bytes <= out[r].size();
+        CHECK(in_bounds, "%s: rank %d copy out of bounds (src %zu dst %zu bytes %zu)", what.c_str(),
+              r, s.src_offset, s.dst_offset, s.bytes);
         if (in_bounds)
           for (size_t i = 0; i < s.bytes; ++i)
             out[r][s.dst_offset + i] = in[s.peer][s.src_offset + i];
@@ -178,8 +176,8 @@ void Simulate(OpSpec spec, const PlanOptions& opt, int order) {
         break;
       }
       case StepKind::kSignalDone:
-        CHECK(reading[r][s.peer], "%s: rank %d signals done to %d without reading",
-              what.c_str(), r, s.peer);
+        CHECK(reading[r][s.peer], "%s: rank %d signals done to %d without reading", what.c_str(), r,
+              s.peer);
         reading[r][s.peer] = 0;
         ++done[r][s.peer];
         break;
@@ -193,8 +191,7 @@ void Simulate(OpSpec spec, const PlanOptions& opt, int order) {
         break;
       }
       default:
-        CHECK(false, "%s: rank %d unknown step kind %d", what.c_str(), r,
-              static_cast<int>(s.kind));
+        CHECK(false, "%s: rank %d unknown step kind %d", what.c_str(), r, static_cast<int>(s.kind));
     }
     ++pc[r];
     return true;
@@ -216,17 +213,16 @@ void Simulate(OpSpec spec, const PlanOptions& opt, int order) {
   }
 
   for (int r = 0; r < n; ++r) {
-    CHECK(pc[r] == plans[r].size(), "%s: deadlock: rank %d stuck at step %zu of %zu",
-          what.c_str(), r, pc[r], plans[r].size());
+    CHECK(pc[r] == plans[r].size(), "%s: deadlock: rank %d stuck at step %zu of %zu", what.c_str(),
+          r, pc[r], plans[r].size());
     CHECK(out[r] == Expected(spec, r), "%s: wrong output on rank %d", what.c_str(), r);
     for (int p = 0; p < n; ++p) {
-      CHECK(ready[r][p] <= 1 && done[r][p] <= 1, "%s: repeated signal %d->%d", what.c_str(),
-            r, p);
+      CHECK(ready[r][p] <= 1 && done[r][p] <= 1, "%s: repeated signal %d->%d", what.c_str(), r, p);
       // Every ready signal is consumed by exactly one wait, and every reader says done.
-      CHECK(ready[r][p] == waited_ready[p][r], "%s: ready %d->%d sent %d, waited %d",
-            what.c_str(), r, p, ready[r][p], waited_ready[p][r]);
-      CHECK(waited_ready[p][r] == done[p][r], "%s: rank %d read %d but done=%d", what.c_str(),
-            p, r, done[p][r]);
+      CHECK(ready[r][p] == waited_ready[p][r], "%s: ready %d->%d sent %d, waited %d", what.c_str(),
+            r, p, ready[r][p], waited_ready[p][r]);
+      CHECK(waited_ready[p][r] == done[p][r], "%s: rank %d read %d but done=%d", what.c_str(), p, r,
+            done[p][r]);
       CHECK(!reading[r][p], "%s: rank %d never signalled done to %d", what.c_str(), r, p);
     }
   }
@@ -246,8 +242,8 @@ void CheckPlanShape(OpSpec spec, const PlanOptions& opt) {
     for (const Step& s : plan) {
       if (s.kind == StepKind::kWaitReady) {
         int offset = (s.peer - r + n) % n;
-        CHECK(offset > last_offset, "%s: rank %d pulls peer %d out of rotated order",
-              what.c_str(), r, s.peer);
+        CHECK(offset > last_offset, "%s: rank %d pulls peer %d out of rotated order", what.c_str(),
+              r, s.peer);
         last_offset = offset;
       }
       if (s.kind == StepKind::kCopy) {
@@ -258,25 +254,26 @@ void CheckPlanShape(OpSpec spec, const PlanOptions& opt) {
     }
     CHECK(!(spec.peers_only || spec.in_place || spec.skip_own) || copies_per_peer[r] == 0,
           "%s: peers_only/in_place/skip_own rank %d copies itself", what.c_str(), r);
-    CHECK(spec.op == OpKind::kPermute || zeroed == 0, "%s: rank %d zero-fills", what.c_str(),
-          r);
+    CHECK(spec.op == OpKind::kPermute || zeroed == 0, "%s: rank %d zero-fills", what.c_str(), r);
     // Into the source's slot: only the slot of a sender is written, nothing zero-filled.
     size_t senders = 0;
     for (int p = 0; p < n; ++p) senders += spec.op == OpKind::kPermute && spec.permute_dst[p] == r;
-    const size_t writes = spec.at_source_slot ? senders * spec.bytes
-                          : hoccl::OutputBytes(spec) -
-                                (spec.in_place || spec.skip_own
-                                     ? (spec.op == OpKind::kAllToAll ? spec.bytes / n : spec.bytes)
-                                     : 0);
+    const size_t writes =
+        spec.at_source_slot
+            ? senders * spec.bytes
+            : hoccl::OutputBytes(spec) -
+                  (spec.in_place || spec.skip_own
+                       ? (spec.op == OpKind::kAllToAll ? spec.bytes / n : spec.bytes)
+                       : 0);
     CHECK(!spec.at_source_slot || zeroed == 0, "%s: rank %d zero-fills", what.c_str(), r);
-    CHECK(copied + zeroed == writes, "%s: rank %d writes %zu of %zu bytes",
-          what.c_str(), r, copied + zeroed, writes);
+    CHECK(copied + zeroed == writes, "%s: rank %d writes %zu of %zu bytes", what.c_str(), r,
+          copied + zeroed, writes);
     const size_t block = spec.op == OpKind::kAllToAll ? spec.bytes / n : spec.bytes;
     const size_t want = std::min<size_t>(block, static_cast<size_t>(std::max(1, opt.chunks)));
     for (int p = 0; p < n; ++p)
       CHECK(copies_per_peer[p] == 0 || static_cast<size_t>(copies_per_peer[p]) == want,
-            "%s: rank %d makes %d copies from %d, want %zu", what.c_str(), r,
-            copies_per_peer[p], p, want);
+            "%s: rank %d makes %d copies from %d, want %zu", what.c_str(), r, copies_per_peer[p], p,
+            want);
   }
 }
 

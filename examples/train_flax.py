@@ -31,7 +31,6 @@ Needs flax and optax (`pip install ".[examples]"`). Run (CPU: 8 virtual devices,
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 

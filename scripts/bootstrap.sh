@@ -32,6 +32,12 @@ if ! $PY -c "import flax, optax" >/dev/null 2>&1; then
   # (jax named too, so that pip never swaps the jax under test for another)
   $PY -m pip install -q "flax==0.12.12" "optax==0.2.8" "jax==${JAX_VERSION}" "jaxlib==${JAX_VERSION}"
 fi
+# The linters scripts/run_tests.sh runs, pinned: another version formats differently.
+RUFF_VERSION=0.17.6 CLANG_FORMAT_VERSION=23.1.5
+if ! { .venv/bin/ruff --version 2>/dev/null | grep -qx "ruff ${RUFF_VERSION}" &&
+       .venv/bin/clang-format --version 2>/dev/null | grep -q "version ${CLANG_FORMAT_VERSION}"; }; then
+  $PY -m pip install -q "ruff==${RUFF_VERSION}" "clang-format==${CLANG_FORMAT_VERSION}"
+fi
 # Build and install jax_hoccl itself (the CUDA engine too when nvcc is found).
 $PY -m pip install -q --no-build-isolation --no-deps --force-reinstall .
 

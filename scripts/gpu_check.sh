@@ -34,6 +34,14 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -8
 
 if [ "$PHASE" != bench ]; then
+echo "== ipc_memory_test (cc/cuda/ipc_memory_test.cc: two processes, one GPU)"
+if cmake --build build/gpu --target ipc_memory_test >>"$OUTDIR/build.log" 2>&1; then
+  timeout 300 build/gpu/ipc_memory_test >"$OUTDIR/ipc_memory_test.log" 2>&1
+  grep FAIL "$OUTDIR/ipc_memory_test.log" | head -10
+  SUMMARY+=("ipc_memory_test: $(tail -1 "$OUTDIR/ipc_memory_test.log")")
+else
+  SUMMARY+=("ipc_memory_test: BUILD FAILED (build.log)")
+fi
 echo "== one process per GPU: two processes sharing GPU 0 (before this shell's pytest holds the GPU)"
 timeout 500 $PY -m pytest tests/test_gpu_multiprocess.py -q -x -s -p no:cacheprovider 2>&1 | tee "$OUTDIR/gpu_multiprocess.log" | grep -E "TIME|OK |passed|failed|Error|assert" | tail -30
 SUMMARY+=("gpu multiprocess tests: $(grep -E '(passed|failed|error)' "$OUTDIR/gpu_multiprocess.log" | tail -1)")

@@ -124,7 +124,7 @@ def test_uneven_groups_like_lax(mesh, name, groups, op):
 @pytest.mark.parametrize("mesh,name,groups", UNEVEN)
 def test_uneven_groups_pmean_divides_by_its_own_group(mesh, name, groups):
   """jax.lax 0.11.2 divides every group's sum by the first group's size; jax_hoccl by each
-  group's own size (README)."""
+  group's own size (docs/supported.md)."""
   inputs = global_inputs(mesh, (2, 3), {"float32": jnp.float32}, seed=12)
   kw = dict(axis_index_groups=groups)
   sizes = {i: len(g) for g in groups for i in g}

@@ -759,7 +759,7 @@ def test_vmap_axis_names_like_lax():
 # ------------------------------------------------------------------------- special values
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_pmax_pmin_propagate_nan_and_psum_keeps_negative_zero(dtype):
-  """Decided per README: pmax/pmin propagate NaN like jnp.max (jax.lax on XLA:CPU returns the
+  """Decided in docs/supported.md: pmax/pmin propagate NaN like jnp.max (jax.lax on XLA:CPU returns the
   other value), psum of all -0.0 is -0.0 (jax.lax on XLA:CPU gives +0.0); elsewhere equal to
   jax.lax. The reference is numpy on the gathered blocks (np.sum would start from +0.0)."""
   dt = DTYPES[dtype]
@@ -787,6 +787,6 @@ def test_pmax_pmin_propagate_nan_and_psum_keeps_negative_zero(dtype):
   for got in (zsum, to_np(two)):
     assert (got == 0).all() and np.signbit(got).all()  # -0.0: a left fold of the ranks' -0.0
   assert np.signbit(functools.reduce(np.add, np.full(8, -0.0, dtype=np.float32)))
-  # What README says jax.lax does on XLA:CPU (if jax changes it, README needs updating).
+  # What docs/supported.md says jax.lax does on XLA:CPU (if jax changes it, update it).
   assert (lax_zsum == 0).all() and not np.signbit(lax_zsum).any()
   assert not np.isnan(lax_mx[nan]).any()

@@ -1,6 +1,6 @@
 """Several processes (jax.distributed on localhost, CPU): groups inside one node run on
 jax_hoccl's engine across the processes (shared-memory rendezvous and staging,
-cc/node_rendezvous.h, cc/cpu_cross_process.h) and equal jax.lax (gloo); groups across nodes
+cc/node_rendezvous.h, cc/cpu/cpu_cross_process.h) and equal jax.lax (gloo); groups across nodes
 (JAX_HOCCL_NODE gives each process its own) compose jax_hoccl inside each node with XLA's
 collectives between them; async pairs across nodes are rejected at lowering."""
 import os

@@ -176,7 +176,7 @@ def test_rank_dependent_cond_with_collectives_in_every_branch(algorithm, monkeyp
   ref = make(jax.lax)(xs)
   for k in xs:
     for i, (a, b) in enumerate(zip(got[k], ref[k])):
-      if k == "bf16" and i < 2:  # jax_hoccl sums bf16 in f32 (README)
+      if k == "bf16" and i < 2:  # jax_hoccl sums bf16 in f32 (docs/supported.md)
         np.testing.assert_allclose(to_np(a).astype(np.float32), to_np(b).astype(np.float32),
                                    rtol=2e-2, atol=2e-2, err_msg=f"{k}[{i}]")
       else:

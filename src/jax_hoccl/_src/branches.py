@@ -1,7 +1,7 @@
 """Collectives in the branches of jax.lax.cond / jax.lax.switch, of which each rank may take
 another (a rank-dependent predicate).
 
-The CPU engine pairs the ranks' calls by the instruction that makes them (cc/handlers_cpu.cc):
+The CPU engine pairs the ranks' calls by the instruction that makes them (cc/cpu/handlers_cpu.cc):
 a psum in branch 0 and the same psum in branch 1 are two instructions, so a rank in one
 branch never met its peers in the other and both timed out, where jax.lax's work. So the cond
 lowering is wrapped: before jax lowers the branches, the n-th collective of one signature

@@ -1,6 +1,6 @@
 """Every JAX_HOCCL_* environment variable, checked once when jax_hoccl first lowers a program
 (ffi_targets.register): a malformed value is an error naming the variable, instead of a
-silent fallback to the default in whichever file reads it. The README's table says what each
+silent fallback to the default in whichever file reads it. docs/supported.md says what each
 one does."""
 from __future__ import annotations
 

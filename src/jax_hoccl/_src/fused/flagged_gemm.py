@@ -15,7 +15,7 @@ walks of it.
   later ones.
 - Consumer flags: a tile of a block with `wait` waits (system-scope acquire) until the low word
   of its uint64 flag in `ready` (written by stream memory operations after the copies:
-  cc/cuda_executor.h, Announce) is >= ready_value, before it reads the rows: its rows of `a`
+  cc/cuda/cuda_executor.h, Announce) is >= ready_value, before it reads the rows: its rows of `a`
   (before its mainloop) or the output rows it adds into (before its stores). Flag
   (ready_block * R + row in the block) // ready_rows.
 

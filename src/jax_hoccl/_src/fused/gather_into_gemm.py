@@ -3,7 +3,7 @@ consumer side of fused/flagged_gemm.py): all_gather_matmul's forward pass on Hop
 
   start   the copy engines pull the peers' rows (ranks r+1, r+2, ... as all_gather's
           peers_only) into a buffer in chunks of READY_ROWS rows, each followed on the copying
-          stream by a write of 1 into its uint64 flag (cc/cuda_executor.h: Announce), the flags
+          stream by a write of 1 into its uint64 flag (cc/cuda/cuda_executor.h: Announce), the flags
           zeroed first on XLA's stream;
   GEMM    one kernel walks my own rows (x, nothing to wait for) then the peers' buffer, a tile
           waiting in-kernel for its chunk's flag; walk block j is written to output block

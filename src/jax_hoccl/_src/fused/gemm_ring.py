@@ -14,7 +14,7 @@ it is stored: only the last band's all-gather follows the GEMM. No partial is ev
 into the SMs (the TMA stores add in L2).
 
   start   zeroes the GEMM's flags and the arrival flags, then the bands in order: wait for my
-          GEMM's flag, one-band ppermutes (copy engines) (cc/handlers_cuda.cc:
+          GEMM's flag, one-band ppermutes (copy engines) (cc/cuda/fused/handlers_fused.cc:
           GemmRingStartCuda);
   GEMM    one kernel, walk(n, gather);
   done    ordered after the GEMM (and the gathers): rank r+1 has read all I send before XLA

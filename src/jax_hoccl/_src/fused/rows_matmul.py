@@ -4,7 +4,7 @@ piece_row0 picks this rank's rows, y_row0 = out_row0 + ((rank + out_shift) % n) 
 out_block_rows the output's. With w [B, K, N] it is a batch of B such GEMMs over consecutive
 `rows`-row ranges of x and out (matmul_all_to_all: one per MoE expert).
 
-On GPU, for bf16/f16, it is one cuBLASLt call (cc/rows_matmul_cuda.cc) that reads x's rows
+On GPU, for bf16/f16, it is one cuBLASLt call (cc/cuda/fused/rows_matmul_cuda.cc) that reads x's rows
 and writes the output's rows through pointer offsets: no copy of x's rows, `+ c` (a received
 partial sum) in the GEMM's epilogue instead of a kernel, and optionally the rows written in
 place into a buffer chained from call to call (`into`, so pieces need no concatenate:
@@ -76,7 +76,7 @@ def runs_on_cublaslt(dtype, k: int, n: int) -> bool:
 
 @functools.cache
 def _preload_cublaslt() -> None:
-  """cc/rows_matmul_cuda.cc finds cuBLASLt in the process by soname. XLA loads it for its own
+  """cc/cuda/fused/rows_matmul_cuda.cc finds cuBLASLt in the process by soname. XLA loads it for its own
   GEMMs, but a program of ours may run first: load the copy from jax's nvidia wheels (not on
   the default library path) so that it is there. (jax's CUDA plugin needs cuBLASLt, so any
   machine that runs the GPU program has one; the handler says so clearly if not.)"""

@@ -37,7 +37,7 @@ from jax_hoccl._src.ops.psum_scatter import scatter_blocks, scatter_result
 
 # GPU: async streams a program's starts are spread over, round-robin by start site (so every
 # rank, lowering the same program, puts a start on the same stream); each stream has its own
-# flag lane (cc/cuda_executor.h). Read from JAX_HOCCL_ASYNC_STREAMS when a program is lowered;
+# flag lane (cc/cuda/cuda_executor.h). Read from JAX_HOCCL_ASYNC_STREAMS when a program is lowered;
 # at most MAX_ASYNC_STREAMS (cc: kMaxAsyncLanes). With one stream a pipeline's exchanges queue
 # behind each other: matmul_psum's 8 exchanges of 8 MiB at M = 4096 kept it ~400 us busy
 # against a 410 us GEMM on 2x H200.

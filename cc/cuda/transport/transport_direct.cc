@@ -1,4 +1,4 @@
-#include "transport_direct.h"
+#include "cuda/transport/transport_direct.h"
 
 #include <cuda_runtime_api.h>
 
@@ -16,11 +16,10 @@ std::string DirectTransport::ExchangeFlags(int rank, uint64_t* my_flags,
   return "";
 }
 
-std::string DirectTransport::ExchangeBuffers(uint64_t seq, int rank, const void* input,
-                                             void* /*output: pulls need only inputs*/,
-                                             const std::vector<int>& peers,
-                                             std::vector<const void*>* inputs, const char* op,
-                                             const std::string& /*what: one program, one process*/) {
+std::string DirectTransport::ExchangeBuffers(
+    uint64_t seq, int rank, const void* input, void* /*output: pulls need only inputs*/,
+    const std::vector<int>& peers, std::vector<const void*>* inputs, const char* op,
+    const std::string& /*what: one program, one process*/) {
   comm_.Arrive(seq, rank, input);
   // The peers' handler threads usually arrive within microseconds: spin a little before
   // sleeping on the condition variable (a futex wake-up costs tens of microseconds, which
@@ -47,7 +46,8 @@ void DirectTransport::Release(uint64_t seq, int rank) { comm_.Leave(seq, rank); 
 std::string DirectTransport::AllocFlags(size_t bytes, void** flags) {
   cudaError_t e = cudaMalloc(flags, bytes);
   if (e != cudaSuccess)
-    return std::string("cudaMalloc(flags) failed: ") + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
+    return std::string("cudaMalloc(flags) failed: ") + cudaGetErrorName(e) + ": " +
+           cudaGetErrorString(e);
   return "";
 }
 

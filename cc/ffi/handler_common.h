@@ -62,9 +62,9 @@ struct IntoRows {
   size_t bytes = 0;
   bool in_place = false;
 };
-inline xla::ffi::ErrorOr<IntoRows> DecodeInto(xla::ffi::RemainingArgs args,
-                                               xla::ffi::AnyBuffer out, int64_t group_size,
-                                               int64_t offset, int64_t in_place_bytes) {
+inline xla::ffi::ErrorOr<IntoRows> DecodeInto(xla::ffi::RemainingArgs args, xla::ffi::AnyBuffer out,
+                                              int64_t group_size, int64_t offset,
+                                              int64_t in_place_bytes) {
   IntoRows rows;
   rows.in_place = in_place_bytes > 0;
   if (rows.in_place) {

@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "communicator.h"
-#include "peer_transport.h"
+#include "cuda/transport/peer_transport.h"
 #include "plan.h"
 
 namespace hoccl {
@@ -86,9 +86,9 @@ struct Announce {
 // an async start's stream, its lane). Returns once everything is enqueued; by then the host
 // rendezvous with every involved peer has happened. `user_op` names the op in errors (the
 // user's, e.g. "psum (all_gather)"; default the mover's).
-ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream,
-                     const void* input, void* output, int lane = 0,
-                     const std::string& user_op = "", const Announce* announce = nullptr);
+ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream, const void* input,
+                     void* output, int lane = 0, const std::string& user_op = "",
+                     const Announce* announce = nullptr);
 
 }  // namespace hoccl
 

@@ -19,8 +19,8 @@ namespace hoccl {
 // the ranks' calls with the n-th call of it); `what` describes the call for mismatch errors;
 // `op` is the user's op for messages.
 std::string RunCpuAcrossProcesses(const OpSpec& spec, const std::vector<int64_t>& device_ids,
-                                  uint64_t instruction, const std::string& what,
-                                  const void* input, void* output, const std::string& op);
+                                  uint64_t instruction, const std::string& what, const void* input,
+                                  void* output, const std::string& op);
 
 // Shared-memory segments this process maps (staging and rendezvous), for leak tests.
 size_t LiveStagingMappings();

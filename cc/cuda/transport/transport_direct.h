@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "communicator.h"
-#include "peer_transport.h"
+#include "cuda/transport/peer_transport.h"
 
 namespace hoccl {
 

@@ -1,4 +1,4 @@
-#include "ipc_memory.h"
+#include "cuda/ipc_memory.h"
 
 // No iostreams in this file: see the note in communicator.cc.
 
@@ -20,7 +20,7 @@
 #include <thread>
 #include <tuple>
 
-#include "driver_api.h"
+#include "cuda/driver_api.h"
 
 namespace hoccl {
 
@@ -207,7 +207,8 @@ bool SendWithFd(int s, const void* p, size_t n, int fd) {
   c->cmsg_len = CMSG_LEN(sizeof(int));
   std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
   ssize_t k;
-  do k = sendmsg(s, &msg, MSG_NOSIGNAL); while (k < 0 && errno == EINTR);
+  do k = sendmsg(s, &msg, MSG_NOSIGNAL);
+  while (k < 0 && errno == EINTR);
   if (k <= 0) return false;
   return SendAll(s, static_cast<const char*>(p) + k, n - static_cast<size_t>(k));
 }
@@ -233,7 +234,10 @@ std::string RecvWithFd(int s, void* p, size_t n, int* fd) {
       for (size_t i = 0; i < count; ++i) {
         int f;
         std::memcpy(&f, CMSG_DATA(h) + i * sizeof(int), sizeof(int));
-        if (*fd < 0) *fd = f; else close(f);
+        if (*fd < 0)
+          *fd = f;
+        else
+          close(f);
       }
     }
     if (k < 0) return Errno("recvmsg");
@@ -252,8 +256,7 @@ std::string ExportFd(uint64_t base, uint64_t handle_id, int* fd, uint64_t* size)
   const DriverApi& api = GetDriverApi();
   std::lock_guard<std::mutex> lock(St().own_mu);
   auto it = St().own.find(base);
-  if (it == St().own.end() || it->second.handle_id != handle_id ||
-      it->second.kind != kIpcVmmFd)
+  if (it == St().own.end() || it->second.handle_id != handle_id || it->second.kind != kIpcVmmFd)
     return "no exportable allocation at " + Hex(base) + " with handle_id " +
            std::to_string(handle_id) + " here (never described, or freed and replaced since)";
   DeviceGuard guard(it->second.device);
@@ -288,7 +291,7 @@ void ServeOne(int conn) {
   reply.ok = err.empty() ? 1 : 0;
   std::snprintf(reply.error, sizeof(reply.error), "%s", err.c_str());
   SendWithFd(conn, &reply, sizeof(reply), fd);  // a client gone away is its own problem
-  if (fd >= 0) close(fd);  // the receiver has its own copy now
+  if (fd >= 0) close(fd);                       // the receiver has its own copy now
 }
 
 void ServeLoop(int listen_fd) {
@@ -358,9 +361,9 @@ std::string ImportVmm(const std::string& name, const IpcRange& r, int device, CU
     return CudaError("cudaSetDevice", guard.status);
   }
   CUmemGenericAllocationHandle h = 0;
-  CUresult res = api.mem_import_from_shareable_handle(
-      &h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
-      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  CUresult res =
+      api.mem_import_from_shareable_handle(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
   close(fd);  // the imported handle holds the allocation now
   if (res != CUDA_SUCCESS) return api.Describe("cuMemImportFromShareableHandle", res);
   res = api.mem_address_reserve(va, size, 0, 0, 0);
@@ -417,8 +420,10 @@ std::string DescribeRange(const void* ptr, IpcRange* out, size_t bytes) {
     return api.Describe("cuMemGetAddressRange", r) + " for " + Hex(p) +
            " (not device memory of this process?)";
   if (bytes > size || p - base > size - bytes)
-    return "range [" + Hex(p) + ", +" + std::to_string(bytes) + ") does not lie in one "
-           "allocation (the one at " + Hex(base) + " has " + std::to_string(size) + " bytes)";
+    return "range [" + Hex(p) + ", +" + std::to_string(bytes) +
+           ") does not lie in one "
+           "allocation (the one at " +
+           Hex(base) + " has " + std::to_string(size) + " bytes)";
 
   // One query for the rest; each value gets 8 zeroed bytes, of which the driver writes 1 to 8.
   CUpointer_attribute attrs[] = {CU_POINTER_ATTRIBUTE_BUFFER_ID,
@@ -461,10 +466,11 @@ std::string DescribeRange(const void* ptr, IpcRange* out, size_t bytes) {
       const bool fd_ok = prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
       if (r != CUDA_SUCCESS || !fd_ok) {
         api.mem_release(h);
-        return r != CUDA_SUCCESS
-                   ? api.Describe("cuMemGetAllocationPropertiesFromHandle", r)
-                   : "the VMM allocation at " + Hex(base) + " was not created exportable as a "
-                     "POSIX fd (requested handle types " + Hex(prop.requestedHandleTypes) + ")";
+        return r != CUDA_SUCCESS ? api.Describe("cuMemGetAllocationPropertiesFromHandle", r)
+                                 : "the VMM allocation at " + Hex(base) +
+                                       " was not created exportable as a "
+                                       "POSIX fd (requested handle types " +
+                                       Hex(prop.requestedHandleTypes) + ")";
       }
       a.device = prop.location.id;
       a.handle = h;
@@ -529,8 +535,8 @@ std::string MapPeerRange(const std::string& peer_socket, const IpcRange& r, int 
   const std::string name = StripNul(peer_socket);
   auto fail = [&](const std::string& err) {  // built only on failure: hits stay cheap
     return "jax_hoccl: mapping the allocation " + Hex(r.base) + " (" + std::to_string(r.size) +
-           " bytes, handle_id " + std::to_string(r.handle_id) + ") of peer " + Shown(name) +
-           ": " + err;
+           " bytes, handle_id " + std::to_string(r.handle_id) + ") of peer " + Shown(name) + ": " +
+           err;
   };
   if (r.offset >= r.size) return fail("offset " + std::to_string(r.offset) + " out of range");
   if (r.kind != kIpcVmmFd && r.kind != kIpcLegacy)
@@ -550,8 +556,8 @@ std::string MapPeerRange(const std::string& peer_socket, const IpcRange& r, int 
   auto it = s.peers.find(key);
   if (it == s.peers.end()) {
     CUdeviceptr va = 0;
-    std::string err = r.kind == kIpcLegacy ? OpenLegacy(r, device, &va)
-                                           : ImportVmm(name, r, device, &va);
+    std::string err =
+        r.kind == kIpcLegacy ? OpenLegacy(r, device, &va) : ImportVmm(name, r, device, &va);
     if (!err.empty()) return fail(err);
     it = s.peers.emplace(key, PeerMapping{r.kind, device, va, static_cast<size_t>(r.size)}).first;
   }

@@ -8,15 +8,15 @@
 #include <tuple>
 
 #include "communicator.h"
-#include "cpu_cross_process.h"
+#include "cpu/cpu_cross_process.h"
 #include "job.h"
 #include "node_rendezvous.h"
 #ifdef JAX_HOCCL_WITH_CUDA
 #include <cuda_runtime_api.h>
 
-#include "ipc_memory.h"
+#include "cuda/ipc_memory.h"
 #endif
-#include "handlers.h"
+#include "ffi/handlers.h"
 #include "host_profile.h"
 #include "plan.h"
 
@@ -87,8 +87,8 @@ using PyStep = std::tuple<int, int, int, size_t, size_t, size_t>;
 // The steps one rank executes: (kind, peer, channel, src_offset, dst_offset, bytes).
 std::vector<PyStep> Plan(int op, int group_size, int rank, size_t bytes,
                          std::vector<int> permute_dst, int chunks, int channels, bool peers_only) {
-  hoccl::OpSpec spec{static_cast<hoccl::OpKind>(op), group_size, rank, bytes, permute_dst,
-                     peers_only};
+  hoccl::OpSpec spec{
+      static_cast<hoccl::OpKind>(op), group_size, rank, bytes, permute_dst, peers_only};
   std::string err = hoccl::ValidateSpec(spec);
   if (!err.empty()) throw nb::value_error(err.c_str());
   std::vector<PyStep> out;
@@ -104,18 +104,19 @@ NB_MODULE(_hoccl, m) {
   m.def("registrations", &Registrations);
   m.def("cpu_call_type", &CpuCallType);
   m.def("plan", &Plan, nb::arg("op"), nb::arg("group_size"), nb::arg("rank"), nb::arg("bytes"),
-        nb::arg("permute_dst") = std::vector<int>{}, nb::arg("chunks") = 1,
-        nb::arg("channels") = 1, nb::arg("peers_only") = false);
+        nb::arg("permute_dst") = std::vector<int>{}, nb::arg("chunks") = 1, nb::arg("channels") = 1,
+        nb::arg("peers_only") = false);
   m.def("live_slot_count", &hoccl::LiveSlotCount);
-  m.def("set_job",
-        [](std::string secret, int process_index, std::vector<int64_t> device_process,
-           std::vector<int> process_pids) {
-          hoccl::SetJob({std::move(secret), process_index, std::move(device_process),
-                         std::move(process_pids)});
-        },
-        nb::arg("secret"), nb::arg("process_index"), nb::arg("device_process"),
-        nb::arg("process_pids"),
-        "the jax.distributed job as src/jax_hoccl/_src/job.py found it (cc/job.h)");
+  m.def(
+      "set_job",
+      [](std::string secret, int process_index, std::vector<int64_t> device_process,
+         std::vector<int> process_pids) {
+        hoccl::SetJob(
+            {std::move(secret), process_index, std::move(device_process), std::move(process_pids)});
+      },
+      nb::arg("secret"), nb::arg("process_index"), nb::arg("device_process"),
+      nb::arg("process_pids"),
+      "the jax.distributed job as src/jax_hoccl/_src/job.py found it (cc/job.h)");
   m.def("set_local_devices", &hoccl::SetLocalDevices, nb::arg("global_ids"),
         "global device id of each local CUDA ordinal (cc/job.h)");
   m.def("name_site", &hoccl::NameSite, nb::arg("site"), nb::arg("name"),
@@ -136,7 +137,7 @@ NB_MODULE(_hoccl, m) {
       [](int ordinal) {
         char id[32] = {0};
         return cudaDeviceGetPCIBusId(id, sizeof(id), ordinal) == cudaSuccess ? std::string(id)
-                                                                              : std::string();
+                                                                             : std::string();
       },
       nb::arg("ordinal"), "the PCI bus id of a CUDA ordinal: which physical GPU it is");
   m.attr("with_cuda") = true;

@@ -3,10 +3,11 @@
 // through pointer offsets. The fused ops use it where XLA's own dot would need a dynamic-slice
 // copy of x, a separate kernel for "+ received partial" and a concatenate of the pieces
 // (on 2x H200 those three were most of matmul_reduce_scatter's / matmul_psum's overhead;
-// docs/design.md, "rows_matmul"). x_row0 depends on the rank: ((rank + shift) % n) * block_rows + piece_row0;
-// so may the output's: out_row0 + ((rank + out_shift) % n) * out_block_rows (matmul_all_to_all
-// writes its own block into its rank's slot). With w [B, K, N] it is a strided batch of B
-// GEMMs: GEMM b takes the b-th `rows` rows of x's and out's ranges (MoE: one per expert).
+// docs/design.md, "rows_matmul"). x_row0 depends on the rank: ((rank + shift) % n) * block_rows +
+// piece_row0; so may the output's: out_row0 + ((rank + out_shift) % n) * out_block_rows
+// (matmul_all_to_all writes its own block into its rank's slot). With w [B, K, N] it is a strided
+// batch of B GEMMs: GEMM b takes the b-th `rows` rows of x's and out's ranges (MoE: one per
+// expert).
 //
 // cuBLASLt is not linked: it is resolved at run time from the process (XLA loaded it) or by
 // soname, and declared here with the few types this file needs (the build machine has no
@@ -26,10 +27,10 @@
 #include <tuple>
 #include <vector>
 
+#include "ffi/handlers.h"
 #include "group.h"
-#include "handlers.h"
-#include "job.h"
 #include "host_profile.h"
+#include "job.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -38,26 +39,26 @@ namespace hoccl {
 namespace {
 
 // ---- the slice of cuBLASLt's C API used here (values from its public header)
-using LtStatus = int;                       // cublasStatus_t, 0 = success
-using LtHandle = void*;                     // cublasLtHandle_t
-using LtDesc = void*;                       // cublasLtMatmulDesc_t
-using LtLayout = void*;                     // cublasLtMatrixLayout_t
-using LtPref = void*;                       // cublasLtMatmulPreference_t
-struct LtAlgo { uint64_t data[8]; };        // cublasLtMatmulAlgo_t
-struct LtHeuristic {                        // cublasLtMatmulHeuristicResult_t
+using LtStatus = int;                 // cublasStatus_t, 0 = success
+using LtHandle = void*;               // cublasLtHandle_t
+using LtDesc = void*;                 // cublasLtMatmulDesc_t
+using LtLayout = void*;               // cublasLtMatrixLayout_t
+using LtPref = void*;                 // cublasLtMatmulPreference_t
+struct LtAlgo { uint64_t data[8]; };  // cublasLtMatmulAlgo_t
+struct LtHeuristic {                  // cublasLtMatmulHeuristicResult_t
   LtAlgo algo;
   size_t workspace_size;
   LtStatus state;
   float waves_count;
   int reserved[4];
 };
-constexpr int kComputeF32 = 68;             // CUBLAS_COMPUTE_32F
-constexpr int kScaleF32 = 0;                // CUDA_R_32F
-constexpr int kPrefMaxWorkspace = 1;        // CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
+constexpr int kComputeF32 = 68;                       // CUBLAS_COMPUTE_32F
+constexpr int kScaleF32 = 0;                          // CUDA_R_32F
+constexpr int kPrefMaxWorkspace = 1;                  // CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS's advice for Hopper
-constexpr int kDefaultCandidates = 32;      // algorithms timed per shape (CandidateCount)
-constexpr int kLayoutBatchCount = 5;        // CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT (int32)
-constexpr int kLayoutBatchStride = 6;       // CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET (int64)
+constexpr int kDefaultCandidates = 32;                // algorithms timed per shape (CandidateCount)
+constexpr int kLayoutBatchCount = 5;                  // CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT (int32)
+constexpr int kLayoutBatchStride = 6;  // CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET (int64)
 
 struct Lt {
   LtStatus (*create)(LtHandle*) = nullptr;
@@ -98,12 +99,10 @@ const Lt& GetLt() {
         reinterpret_cast<decltype(l.pref_create)>(sym("cublasLtMatmulPreferenceCreate"));
     l.pref_set =
         reinterpret_cast<decltype(l.pref_set)>(sym("cublasLtMatmulPreferenceSetAttribute"));
-    l.heuristic =
-        reinterpret_cast<decltype(l.heuristic)>(sym("cublasLtMatmulAlgoGetHeuristic"));
+    l.heuristic = reinterpret_cast<decltype(l.heuristic)>(sym("cublasLtMatmulAlgoGetHeuristic"));
     l.matmul = reinterpret_cast<decltype(l.matmul)>(sym("cublasLtMatmul"));
     if (!l.create || !l.desc_create || !l.layout_create || !l.layout_set || !l.pref_create ||
-        !l.pref_set ||
-        !l.heuristic || !l.matmul)
+        !l.pref_set || !l.heuristic || !l.matmul)
       l.error = "cuBLASLt is missing an entry point";
     return l;
   }();
@@ -188,10 +187,12 @@ void TuneOnce(Plan* plan, Run& run, cudaStream_t stream, int64_t rows, int64_t k
       continue;
     }
     if (verbose)
-      std::fprintf(stderr, "jax_hoccl rows_matmul tune rows=%lld k=%lld n=%lld c=%d batch=%lld: "
-                   "candidate %zu %8.1f us\n", static_cast<long long>(rows),
-                   static_cast<long long>(k), static_cast<long long>(n), has_c ? 1 : 0,
-                   static_cast<long long>(batch), i, 1e3 * ms / kRuns);
+      std::fprintf(stderr,
+                   "jax_hoccl rows_matmul tune rows=%lld k=%lld n=%lld c=%d batch=%lld: "
+                   "candidate %zu %8.1f us\n",
+                   static_cast<long long>(rows), static_cast<long long>(k),
+                   static_cast<long long>(n), has_c ? 1 : 0, static_cast<long long>(batch), i,
+                   1e3 * ms / kRuns);
     if (best == 0 || ms < best) {
       best = ms;
       plan->algo = algo;
@@ -217,10 +218,14 @@ std::string GetPlan(const Lt& lt, const PlanKey& key, DeviceLt** dev_out, Plan**
   if (it == plans->end()) {
     Plan p;  // descriptors only, copied into the map's entry below (a once_flag can't move)
     // Column-major: A = W^T view [n, k] (ld n), B = X^T view [k, rows] (ld k), C/D [n, rows].
-    if (!(err = Check(lt.desc_create(&p.desc, kComputeF32, kScaleF32), "MatmulDescCreate")).empty() ||
-        !(err = Check(lt.layout_create(&p.a, key.dtype, key.n, key.k, key.n), "LayoutCreate")).empty() ||
-        !(err = Check(lt.layout_create(&p.b, key.dtype, key.k, key.rows, key.k), "LayoutCreate")).empty() ||
-        !(err = Check(lt.layout_create(&p.cd, key.dtype, key.n, key.rows, key.n), "LayoutCreate")).empty())
+    if (!(err = Check(lt.desc_create(&p.desc, kComputeF32, kScaleF32), "MatmulDescCreate"))
+             .empty() ||
+        !(err = Check(lt.layout_create(&p.a, key.dtype, key.n, key.k, key.n), "LayoutCreate"))
+             .empty() ||
+        !(err = Check(lt.layout_create(&p.b, key.dtype, key.k, key.rows, key.k), "LayoutCreate"))
+             .empty() ||
+        !(err = Check(lt.layout_create(&p.cd, key.dtype, key.n, key.rows, key.n), "LayoutCreate"))
+             .empty())
       return err;
     if (key.batch > 1) {  // consecutive matrices: w's [K, N], x's and out's `rows` rows
       const int32_t count = key.batch;
@@ -230,15 +235,19 @@ std::string GetPlan(const Lt& lt, const PlanKey& key, DeviceLt** dev_out, Plan**
       LtLayout layouts[3] = {p.a, p.b, p.cd};
       for (int i = 0; i < 3; ++i)
         if (!(err = Check(lt.layout_set(layouts[i], kLayoutBatchCount, &count, sizeof(count)),
-                          "LayoutSetAttribute")).empty() ||
-            !(err = Check(lt.layout_set(layouts[i], kLayoutBatchStride, &strides[i],
-                                        sizeof(strides[i])), "LayoutSetAttribute")).empty())
+                          "LayoutSetAttribute"))
+                 .empty() ||
+            !(err = Check(
+                  lt.layout_set(layouts[i], kLayoutBatchStride, &strides[i], sizeof(strides[i])),
+                  "LayoutSetAttribute"))
+                 .empty())
           return err;
     }
     LtPref pref = nullptr;
     uint64_t ws = kWorkspaceBytes;
     if (!(err = Check(lt.pref_create(&pref), "PreferenceCreate")).empty() ||
-        !(err = Check(lt.pref_set(pref, kPrefMaxWorkspace, &ws, sizeof(ws)), "PreferenceSet")).empty())
+        !(err = Check(lt.pref_set(pref, kPrefMaxWorkspace, &ws, sizeof(ws)), "PreferenceSet"))
+             .empty())
       return err;
     std::vector<LtHeuristic> results(static_cast<size_t>(CandidateCount()));
     int found = 0;
@@ -247,7 +256,10 @@ std::string GetPlan(const Lt& lt, const PlanKey& key, DeviceLt** dev_out, Plan**
                 "MatmulAlgoGetHeuristic");
     if (!err.empty()) return err;
     if (found < 1) return "cuBLASLt has no algorithm for this GEMM";
-    it = plans->emplace(std::piecewise_construct, std::forward_as_tuple(key), std::forward_as_tuple()).first;
+    it =
+        plans
+            ->emplace(std::piecewise_construct, std::forward_as_tuple(key), std::forward_as_tuple())
+            .first;
     Plan& q = it->second;
     q.desc = p.desc, q.a = p.a, q.b = p.b, q.cd = p.cd;
     for (int i = 0; i < found; ++i)
@@ -273,9 +285,9 @@ int CudaType(ffi::DataType t) {
 // `out` aliases when the call writes into an earlier call's output (into). out: [My, N].
 ffi::Error RowsMatmulCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
                           ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                          int64_t group_size, int64_t shift, int64_t block_rows,
-                          int64_t piece_row0, int64_t rows, int64_t out_row0, int64_t out_shift,
-                          int64_t out_block_rows, int64_t has_c) {
+                          int64_t group_size, int64_t shift, int64_t block_rows, int64_t piece_row0,
+                          int64_t rows, int64_t out_row0, int64_t out_shift, int64_t out_block_rows,
+                          int64_t has_c) {
   HostTimer timer("rows_matmul");
   auto fail = [](const std::string& m) {
     return ffi::Error::InvalidArgument("jax_hoccl rows_matmul: " + m);
@@ -296,7 +308,8 @@ ffi::Error RowsMatmulCuda(cudaStream_t stream, int32_t device, ffi::RemainingArg
     return fail("needs x [M, K], w [K, N] or [B, K, N], and out [M', N]");
   const int64_t k = wd[wr - 2], n = wd[wr - 1], batch = wr == 3 ? wd[0] : 1;
   GroupPosition pos;
-  std::string err = FindGroup(groups.begin(), groups.size(), group_size, GlobalDeviceId(device), &pos);
+  std::string err =
+      FindGroup(groups.begin(), groups.size(), group_size, GlobalDeviceId(device), &pos);
   if (!err.empty()) return fail(err);
   auto slot = [&](int64_t s) { return ((pos.rank + s) % group_size + group_size) % group_size; };
   const int64_t x_row0 = slot(shift) * block_rows + piece_row0;
@@ -309,30 +322,32 @@ ffi::Error RowsMatmulCuda(cudaStream_t stream, int32_t device, ffi::RemainingArg
     auto cb = args.get<ffi::AnyBuffer>(2);
     if (cb.has_error()) return fail("needs c");
     auto cdims = cb->dimensions();
-    if (cb->element_type() != x->element_type() || cdims.size() != 2 ||
-        cdims[0] != batch * rows || cdims[1] != n)
+    if (cb->element_type() != x->element_type() || cdims.size() != 2 || cdims[0] != batch * rows ||
+        cdims[1] != n)
       return fail("c must be [B * rows, N] of x's dtype");
     c = cb->untyped_data();
   }
   if (rows == 0 || n == 0) return ffi::Error::Success();
   const Lt& lt = GetLt();
-  if (!lt.error.empty()) return ffi::Error(ffi::ErrorCode::kUnavailable, "jax_hoccl rows_matmul: " + lt.error);
+  if (!lt.error.empty())
+    return ffi::Error(ffi::ErrorCode::kUnavailable, "jax_hoccl rows_matmul: " + lt.error);
   // The stream's device (XLA's handler thread need not have it current): the workspace and
   // the heuristic's device properties must be that one's.
   int cuda_device = -1;
 #if CUDART_VERSION >= 12080
   if (cudaStreamGetDevice(stream, &cuda_device) != cudaSuccess) return fail("cudaStreamGetDevice");
   int current = -1;
-  if (cudaGetDevice(&current) != cudaSuccess || (current != cuda_device &&
-                                                 cudaSetDevice(cuda_device) != cudaSuccess))
+  if (cudaGetDevice(&current) != cudaSuccess ||
+      (current != cuda_device && cudaSetDevice(cuda_device) != cudaSuccess))
     return fail("cudaSetDevice");
 #else
   if (cudaGetDevice(&cuda_device) != cudaSuccess) return fail("cudaGetDevice");
 #endif
   DeviceLt* dev = nullptr;
   Plan* plan = nullptr;
-  err = GetPlan(lt, PlanKey{cuda_device, dtype, static_cast<uint64_t>(rows), static_cast<uint64_t>(k),
-                            static_cast<uint64_t>(n), has_c != 0, static_cast<int>(batch)},
+  err = GetPlan(lt,
+                PlanKey{cuda_device, dtype, static_cast<uint64_t>(rows), static_cast<uint64_t>(k),
+                        static_cast<uint64_t>(n), has_c != 0, static_cast<int>(batch)},
                 &dev, &plan);
   if (!err.empty()) return ffi::Error::Internal("jax_hoccl rows_matmul: " + err);
   const size_t elt = ffi::ByteWidth(x->element_type());
@@ -346,9 +361,8 @@ ffi::Error RowsMatmulCuda(cudaStream_t stream, int32_t device, ffi::RemainingArg
   };
   // Not when c is the output itself: every timed run would add c again.
   if (plan->candidates.size() > 1 && c != dp) {
-    std::call_once(plan->tuned, [&] {
-      TuneOnce(plan, run, stream, rows, k, n, has_c != 0, batch);
-    });
+    std::call_once(plan->tuned,
+                   [&] { TuneOnce(plan, run, stream, rows, k, n, has_c != 0, batch); });
   }
   LtStatus s = run(c != dp ? plan->algo : plan->candidates[0]);
   if (s != 0) return ffi::Error::Internal("jax_hoccl rows_matmul: " + Check(s, "cublasLtMatmul"));

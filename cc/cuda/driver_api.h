@@ -45,10 +45,10 @@ struct DriverApi {
   using MemUnmapFn = CUresult (*)(CUdeviceptr, size_t);
   using MemSetAccessFn = CUresult (*)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t);
 
-  WriteValue64Fn write_value64 = nullptr;  // required
-  WaitValue64Fn wait_value64 = nullptr;    // required
-  BatchMemOpFn batch_mem_op = nullptr;     // optional: single ops are used without it
-  WaitValue32Fn wait_value32 = nullptr;    // optional: for the flagged GEMM's int32 flags
+  WriteValue64Fn write_value64 = nullptr;       // required
+  WaitValue64Fn wait_value64 = nullptr;         // required
+  BatchMemOpFn batch_mem_op = nullptr;          // optional: single ops are used without it
+  WaitValue32Fn wait_value32 = nullptr;         // optional: for the flagged GEMM's int32 flags
   GetErrorStringFn get_error_string = nullptr;  // optional: for messages
 
   MemGetAddressRangeFn mem_get_address_range = nullptr;

@@ -1,4 +1,4 @@
-#include "cpu_executor.h"
+#include "cpu/cpu_executor.h"
 
 #include <cstring>
 

@@ -1,4 +1,4 @@
-#include "driver_api.h"
+#include "cuda/driver_api.h"
 
 #include <cuda_runtime_api.h>
 
@@ -31,13 +31,13 @@ std::string Resolve(const char* name, Fn* out) {
       cudaGetDriverEntryPointByVersion(name, &fn, kDriverAbiVersion, cudaEnableDefault, &status);
   if (err != cudaSuccess) {
     cudaGetLastError();  // do not leave a sticky-looking error for the next runtime call
-    return std::string("cudaGetDriverEntryPointByVersion(") + name + ") failed: " +
-           cudaGetErrorName(err) + ": " + cudaGetErrorString(err) +
+    return std::string("cudaGetDriverEntryPointByVersion(") + name +
+           ") failed: " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err) +
            " (is an NVIDIA driver for CUDA >= 12 installed?)";
   }
   if (status != cudaDriverEntryPointSuccess || fn == nullptr) {
-    return std::string("CUDA driver entry point ") + name + " unavailable: " +
-           QueryResultName(status);
+    return std::string("CUDA driver entry point ") + name +
+           " unavailable: " + QueryResultName(status);
   }
   *out = reinterpret_cast<Fn>(fn);
   return "";
@@ -68,7 +68,8 @@ HOCCL_SAME_SIGNATURE(MemSetAccessFn, cuMemSetAccess);
 }  // namespace
 
 std::string DriverApi::Describe(const char* call, CUresult result) const {
-  std::string o = std::string(call) + " failed: CUresult " + std::to_string(static_cast<int>(result));
+  std::string o =
+      std::string(call) + " failed: CUresult " + std::to_string(static_cast<int>(result));
   const char* text = nullptr;
   if (get_error_string && get_error_string(result, &text) == CUDA_SUCCESS && text)
     o += std::string(": ") + text;

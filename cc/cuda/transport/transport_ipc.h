@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "communicator.h"
-#include "peer_transport.h"
+#include "cuda/transport/peer_transport.h"
 #include "node_rendezvous.h"
 
 namespace hoccl {
@@ -37,9 +37,8 @@ class IpcTransport : public PeerTransport {
 
  private:
   // Publishes my range under `key` and maps every peer's (those in `wanted`) into `out`.
-  std::string Meet(int rank, CallKey key, const std::string& what, const void* mine,
-                   size_t bytes, const std::vector<int>& wanted, std::vector<const void*>* out,
-                   const char* op);
+  std::string Meet(int rank, CallKey key, const std::string& what, const void* mine, size_t bytes,
+                   const std::vector<int>& wanted, std::vector<const void*>* out, const char* op);
 
   NodeRendezvous& rv_;
   const int device_;

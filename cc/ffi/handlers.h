@@ -17,13 +17,13 @@
 
 namespace hoccl {
 
-// The CPU handlers' per-instruction state (handlers_cpu.cc): `key` names the custom-call
+// The CPU handlers' per-instruction state (cpu/handlers_cpu.cc): `key` names the custom-call
 // instruction, the same on every device of the executable.
 struct CpuCall {
   static xla::ffi::TypeId id;
   int64_t key = 0;
   int64_t site = 0;        // the lowering's call site (axes.new_site)
-  uint64_t cross_key = 0;  // names the instruction alike in every process (handlers_cpu.cc)
+  uint64_t cross_key = 0;  // names the instruction alike in every process (cpu/handlers_cpu.cc)
 };
 
 extern "C" {
@@ -46,9 +46,10 @@ XLA_FFI_Error* kIntoStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kDoneCuda(XLA_FFI_CallFrame* call_frame);
+// the fused ops' (cuda/fused/)
 XLA_FFI_Error* kAnnouncedGatherStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kGemmRingStartCuda(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* kRowsMatmulCuda(XLA_FFI_CallFrame* call_frame);  // rows_matmul_cuda.cc
+XLA_FFI_Error* kRowsMatmulCuda(XLA_FFI_CallFrame* call_frame);
 #endif
 }
 

@@ -1,11 +1,11 @@
-#include "transport_ipc.h"
+#include "cuda/transport/transport_ipc.h"
 
 #include <unistd.h>
 
 #include <cstring>
 #include <mutex>
 
-#include "ipc_memory.h"
+#include "cuda/ipc_memory.h"
 #include "job.h"
 
 namespace hoccl {
@@ -55,19 +55,22 @@ std::string IpcTransport::AllocFlags(size_t bytes, void** flags) {
   return AllocExportable(bytes, device_, flags);
 }
 
-std::string IpcTransport::Meet(int rank, CallKey key, const std::string& what,
-                               const void* mine, size_t bytes, const std::vector<int>& wanted,
+std::string IpcTransport::Meet(int rank, CallKey key, const std::string& what, const void* mine,
+                               size_t bytes, const std::vector<int>& wanted,
                                std::vector<const void*>* out, const char* op) {
   const int n = rv_.size();
   IpcRange range;
   std::string err = mine ? DescribeRange(mine, &range, bytes) : "";
   if (!err.empty()) return err;
   int index = -1;
-  err = rv_.Publish(rank, key, what, [&](int, uint64_t* payload) {
-    std::memcpy(payload, &range, sizeof range);
-    payload[kPidWord] = static_cast<uint64_t>(getpid());
-    return std::string();
-  }, &index, op);
+  err = rv_.Publish(
+      rank, key, what,
+      [&](int, uint64_t* payload) {
+        std::memcpy(payload, &range, sizeof range);
+        payload[kPidWord] = static_cast<uint64_t>(getpid());
+        return std::string();
+      },
+      &index, op);
   if (!err.empty()) return err;
   found_.assign(n, PeerEntry{});
   for (int k = 1; k < n && err.empty(); ++k) {
@@ -82,8 +85,8 @@ std::string IpcTransport::Meet(int rank, CallKey key, const std::string& what,
   return err;
 }
 
-std::string IpcTransport::ExchangeFlags(int rank, uint64_t* my_flags,
-                                        std::vector<uint64_t*>* all, const char* op) {
+std::string IpcTransport::ExchangeFlags(int rank, uint64_t* my_flags, std::vector<uint64_t*>* all,
+                                        const char* op) {
   const int n = rv_.size();
   std::vector<const void*> mapped(n, nullptr);
   mapped[rank] = my_flags;
@@ -96,7 +99,8 @@ std::string IpcTransport::ExchangeFlags(int rank, uint64_t* my_flags,
   Release(0, rank);
   if (!err.empty()) return err;
   all->resize(n);
-  for (int q = 0; q < n; ++q) (*all)[q] = const_cast<uint64_t*>(static_cast<const uint64_t*>(mapped[q]));
+  for (int q = 0; q < n; ++q)
+    (*all)[q] = const_cast<uint64_t*>(static_cast<const uint64_t*>(mapped[q]));
   return "";
 }
 
@@ -108,8 +112,7 @@ std::string IpcTransport::ExchangeBuffers(uint64_t seq, int rank, const void* in
   std::vector<int> wanted(rv_.size(), 0);
   for (int p : peers) wanted[p] = 1;
   // Every peer finds every call (readers release each entry), involved in its copies or not.
-  return Meet(rank, {0, seq}, what, input, 0, wanted,
-              inputs, op);
+  return Meet(rank, {0, seq}, what, input, 0, wanted, inputs, op);
 }
 
 void IpcTransport::Release(uint64_t /*seq*/, int rank) {

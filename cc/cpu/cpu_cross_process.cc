@@ -1,4 +1,4 @@
-#include "cpu_cross_process.h"
+#include "cpu/cpu_cross_process.h"
 
 #include <sys/mman.h>
 
@@ -8,7 +8,7 @@
 #include <mutex>
 #include <tuple>
 
-#include "cpu_executor.h"
+#include "cpu/cpu_executor.h"
 #include "node_rendezvous.h"
 
 namespace hoccl {
@@ -91,8 +91,8 @@ std::string PeerStaging(NodeRendezvous& rv, int peer, const PeerEntry& e, const 
 }  // namespace
 
 std::string RunCpuAcrossProcesses(const OpSpec& spec, const std::vector<int64_t>& device_ids,
-                                  uint64_t instruction, const std::string& what,
-                                  const void* input, void* output, const std::string& op_name) {
+                                  uint64_t instruction, const std::string& what, const void* input,
+                                  void* output, const std::string& op_name) {
   const char* op = op_name.c_str();
   const int n = spec.group_size, rank = spec.rank;
   NodeRendezvous* rv = nullptr;
@@ -101,15 +101,18 @@ std::string RunCpuAcrossProcesses(const OpSpec& spec, const std::vector<int64_t>
   const CallKey key{instruction, rv->NextCount(rank, instruction)};
 
   int my_index = -1;
-  err = rv->Publish(rank, key, what, [&](int index, uint64_t* payload) {
-    Mapping* m = nullptr;
-    std::string e = OwnStaging(*rv, rank, index, spec.bytes, &m);
-    if (!e.empty()) return e;
-    if (spec.bytes) std::memcpy(m->addr, input, spec.bytes);
-    payload[kGeneration] = m->generation;
-    payload[kCapacity] = m->bytes;
-    return std::string();
-  }, &my_index, op);
+  err = rv->Publish(
+      rank, key, what,
+      [&](int index, uint64_t* payload) {
+        Mapping* m = nullptr;
+        std::string e = OwnStaging(*rv, rank, index, spec.bytes, &m);
+        if (!e.empty()) return e;
+        if (spec.bytes) std::memcpy(m->addr, input, spec.bytes);
+        payload[kGeneration] = m->generation;
+        payload[kCapacity] = m->bytes;
+        return std::string();
+      },
+      &my_index, op);
   if (!err.empty()) return err;
 
   // Every peer's entry: the ready handshake (and the check that it is the same call).

@@ -1,4 +1,4 @@
-#include "cuda_executor.h"
+#include "cuda/cuda_executor.h"
 
 // No iostreams in this file (nor in the communicator): see the note in communicator.cc.
 
@@ -15,11 +15,11 @@
 #include <set>
 #include <utility>
 
-#include "driver_api.h"
-#include "job.h"
-#include "transport_direct.h"
-#include "transport_ipc.h"
+#include "cuda/driver_api.h"
+#include "cuda/transport/transport_direct.h"
+#include "cuda/transport/transport_ipc.h"
 #include "host_profile.h"
+#include "job.h"
 
 namespace hoccl {
 
@@ -49,12 +49,12 @@ bool DebugEnabled() {
   return enabled;
 }
 
-#define HOCCL_TRACE(...)                                  \
-  do {                                                    \
-    if (DebugEnabled()) {                                 \
-      std::fprintf(stderr, "[jax_hoccl] " __VA_ARGS__);   \
-      std::fflush(stderr);                                \
-    }                                                     \
+#define HOCCL_TRACE(...)                                \
+  do {                                                  \
+    if (DebugEnabled()) {                               \
+      std::fprintf(stderr, "[jax_hoccl] " __VA_ARGS__); \
+      std::fflush(stderr);                              \
+    }                                                   \
   } while (0)
 
 }  // namespace
@@ -88,17 +88,17 @@ PlanOptions ChooseCudaPlanOptions(const OpSpec& spec) {
 namespace {
 
 std::string Prefix(const OpSpec& spec, const char* op, int device) {
-  return std::string("jax_hoccl ") + op + " (rank " + std::to_string(spec.rank) +
-         ", CUDA device " + std::to_string(device) + "): ";
+  return std::string("jax_hoccl ") + op + " (rank " + std::to_string(spec.rank) + ", CUDA device " +
+         std::to_string(device) + "): ";
 }
 
 std::string CudaError(const char* call, cudaError_t e) {
   return std::string(call) + " failed: " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
 }
 
-#define HOCCL_CUDA_RETURN(call)                                  \
-  do {                                                           \
-    cudaError_t hoccl_e_ = (call);                               \
+#define HOCCL_CUDA_RETURN(call)                                     \
+  do {                                                              \
+    cudaError_t hoccl_e_ = (call);                                  \
     if (hoccl_e_ != cudaSuccess) return CudaError(#call, hoccl_e_); \
   } while (0)
 
@@ -150,10 +150,16 @@ class MemOps {
         CUresult r;
         if (p.operation == CU_STREAM_MEM_OP_WRITE_VALUE_64) {
           r = api_.write_value64(s, p.writeValue.address, p.writeValue.value64, p.writeValue.flags);
-          if (r != CUDA_SUCCESS) { err = api_.Describe("cuStreamWriteValue64", r); break; }
+          if (r != CUDA_SUCCESS) {
+            err = api_.Describe("cuStreamWriteValue64", r);
+            break;
+          }
         } else {
           r = api_.wait_value64(s, p.waitValue.address, p.waitValue.value64, p.waitValue.flags);
-          if (r != CUDA_SUCCESS) { err = api_.Describe("cuStreamWaitValue64", r); break; }
+          if (r != CUDA_SUCCESS) {
+            err = api_.Describe("cuStreamWaitValue64", r);
+            break;
+          }
         }
       }
     }
@@ -204,14 +210,15 @@ std::string InitResources(DeviceResources& r) {  // requires r.mu; current devic
 struct RankState {
   std::mutex mu;
   bool ready = false;
-  std::string setup_error;              // a failed setup is final
-  uint64_t* flags = nullptr;            // mine: kLanes x [ready_from[n], done_from[n]]
-  std::vector<uint64_t*> peer_flags;    // every rank's flag array, by rank
+  std::string setup_error;            // a failed setup is final
+  uint64_t* flags = nullptr;          // mine: kLanes x [ready_from[n], done_from[n]]
+  std::vector<uint64_t*> peer_flags;  // every rank's flag array, by rank
 };
 
 RankState& RankStateFor(const Communicator* comm, int rank) {
   static std::mutex mu;
-  static auto* all = new std::map<std::pair<const Communicator*, int>, std::unique_ptr<RankState>>();
+  static auto* all =
+      new std::map<std::pair<const Communicator*, int>, std::unique_ptr<RankState>>();
   std::lock_guard<std::mutex> lock(mu);
   auto& s = (*all)[{comm, rank}];
   if (!s) s = std::make_unique<RankState>();
@@ -258,13 +265,14 @@ std::string SetupRank(RankState& st, PeerTransport& transport, const OpSpec& spe
   }
   // Publish even on failure (as null) so peers fail fast instead of timing out.
   std::vector<uint64_t*> all;
-  std::string xerr = transport.ExchangeFlags(spec.rank, err.empty() ? static_cast<uint64_t*>(p) : nullptr,
-                                             &all, op);
+  std::string xerr = transport.ExchangeFlags(
+      spec.rank, err.empty() ? static_cast<uint64_t*>(p) : nullptr, &all, op);
   if (!err.empty()) return err;
   if (!xerr.empty()) return xerr;
   for (int q = 0; q < n; ++q) {
     if (!all[q]) {
-      return "rank " + std::to_string(q) + " of the group failed its one-time setup (see its error)";
+      return "rank " + std::to_string(q) +
+             " of the group failed its one-time setup (see its error)";
     }
     if (q == spec.rank || !transport.NeedsPeerAccess()) continue;
     cudaPointerAttributes attr;
@@ -283,12 +291,12 @@ struct CallContext {
   const DriverApi& api;
   const OpSpec& spec;
   const std::vector<Step>& steps;
-  cudaStream_t stream;  // XLA's
+  cudaStream_t stream;                     // XLA's
   const std::vector<const void*>& inputs;  // by rank
   void* output;
   const RankState& st;
-  uint64_t value;  // flag value of this call (sequence + 1)
-  int lane;        // which row of every flag array (cuda_executor.h: kLanes)
+  uint64_t value;            // flag value of this call (sequence + 1)
+  int lane;                  // which row of every flag array (cuda_executor.h: kLanes)
   const Announce* announce;  // or null
 };
 
@@ -361,7 +369,9 @@ std::string EnqueueSingleStream(const CallContext& c) {
 // flag before its first copy from that peer), joined back, then done signals and waits.
 std::string EnqueueMultiStream(const CallContext& c, DeviceResources& res) {
   const int n = c.spec.group_size, r = c.spec.rank;
-  auto stream_index = [](int channel) { return channel == 0 ? 0 : 1 + (channel - 1) % kMaxSideStreams; };
+  auto stream_index = [](int channel) {
+    return channel == 0 ? 0 : 1 + (channel - 1) % kMaxSideStreams;
+  };
   cudaStream_t streams[1 + kMaxSideStreams] = {c.stream};
   for (int i = 0; i < kMaxSideStreams; ++i) streams[1 + i] = res.side[i];
   bool used[1 + kMaxSideStreams] = {};
@@ -427,23 +437,25 @@ std::string CurrentDevice(cudaStream_t stream, int* device) {
 
 }  // namespace
 
-ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream,
-                     const void* input, void* output, int lane,
-                     const std::string& user_op, const Announce* announce) {
+ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream, const void* input,
+                     void* output, int lane, const std::string& user_op, const Announce* announce) {
   const std::string op_name = user_op.empty() ? std::string(OpName(spec.op)) : user_op;
   const char* op = op_name.c_str();
   std::string err = comm.Broken();
   if (!err.empty()) return {ErrorKind::kDeadline, err};
   err = ValidateSpec(spec);
-  if (err.empty() && (lane < 0 || lane >= kLanes)) err = "lane " + std::to_string(lane) + " out of range";
-  if (!err.empty()) return {ErrorKind::kInvalidArgument, std::string("jax_hoccl ") + op + ": " + err};
+  if (err.empty() && (lane < 0 || lane >= kLanes))
+    err = "lane " + std::to_string(lane) + " out of range";
+  if (!err.empty())
+    return {ErrorKind::kInvalidArgument, std::string("jax_hoccl ") + op + ": " + err};
   HOCCL_TRACE("%s rank %d/%d: enter, %zu bytes, stream %p, in %p out %p\n", op, spec.rank,
               spec.group_size, spec.bytes, static_cast<void*>(stream), input, output);
   const DriverApi& api = GetDriverApi();
   HOCCL_TRACE("driver api: write %p wait %p batch %p err '%s'\n",
               reinterpret_cast<void*>(api.write_value64), reinterpret_cast<void*>(api.wait_value64),
               reinterpret_cast<void*>(api.batch_mem_op), api.error.c_str());
-  if (!api.error.empty()) return {ErrorKind::kUnavailable, std::string("jax_hoccl ") + op + ": " + api.error};
+  if (!api.error.empty())
+    return {ErrorKind::kUnavailable, std::string("jax_hoccl ") + op + ": " + api.error};
 
   int device = -1;
   err = CurrentDevice(stream, &device);
@@ -465,7 +477,10 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
     std::lock_guard<std::mutex> lock(st.mu);
     if (!st.ready && st.setup_error.empty()) {
       err = SetupRank(st, transport, spec, device, stream);
-      if (err.empty()) st.ready = true; else st.setup_error = err;
+      if (err.empty())
+        st.ready = true;
+      else
+        st.setup_error = err;
       HOCCL_TRACE("%s rank %d: setup flags %p -> '%s'\n", op, spec.rank,
                   static_cast<void*>(st.flags), err.c_str());
     }
@@ -483,9 +498,10 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
     if (announce) {  // one flag per chunk, one stream (cuda_executor.h: Announce)
       const size_t block = BlockBytes(spec);
       if (announce->bytes == 0 || block % announce->bytes)
-        return {ErrorKind::kInvalidArgument, std::string("jax_hoccl ") + op + ": announced rows of " +
-                std::to_string(announce->bytes) + " bytes do not divide a block of " +
-                std::to_string(block)};
+        return {ErrorKind::kInvalidArgument,
+                std::string("jax_hoccl ") + op + ": announced rows of " +
+                    std::to_string(announce->bytes) + " bytes do not divide a block of " +
+                    std::to_string(block)};
       options.chunks = static_cast<int>(block / announce->bytes);
       options.channels = 1;
     }
@@ -508,8 +524,8 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   inputs[r] = input;
   {
     HostTimer timer("rendezvous");  // mostly waiting for the peers' handler threads
-    const std::string what = op_name + " of " + std::to_string(spec.bytes) +
-                             " bytes (lane " + std::to_string(lane) + ")";
+    const std::string what = op_name + " of " + std::to_string(spec.bytes) + " bytes (lane " +
+                             std::to_string(lane) + ")";
     err = transport.ExchangeBuffers(seq, r, input, output, peers, &inputs, op, what);
   }
   if (!err.empty()) return {ErrorKind::kDeadline, err};

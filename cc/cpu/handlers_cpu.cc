@@ -2,22 +2,22 @@
 // group and rank, and meet the peers in the communicator's rendezvous; the last rank to
 // arrive runs every rank's copies (cpu_executor.h). The handlers are asynchronous (they
 // return an ffi::Future), so no thread of XLA:CPU's shared pool waits for a peer. The CUDA
-// handlers (handlers_cuda.cc) take the same attributes, so the Python lowering is identical.
+// handlers (cuda/handlers_cuda.cc) take the same attributes, so the Python lowering is identical.
 #include <atomic>
 #include <map>
-#include <mutex>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "communicator.h"
-#include "cpu_cross_process.h"
-#include "job.h"
-#include "cpu_executor.h"
-#include "handler_common.h"
-#include "handlers.h"
+#include "cpu/cpu_cross_process.h"
+#include "cpu/cpu_executor.h"
+#include "ffi/handler_common.h"
+#include "ffi/handlers.h"
 #include "host_profile.h"
+#include "job.h"
 #include "plan.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -72,17 +72,16 @@ ffi::Future Failed(ffi::Error error) {
 
 // in_place: `in` is ignored, the input is my slot of the output (InputFor). A group that
 // spans processes runs on cpu_cross_process.h, off XLA's threads.
-ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* in,
-                   size_t in_bytes, void* out_data, size_t out_bytes,
-                   ffi::Span<const int64_t> groups, int64_t group_size,
-                   ffi::Span<const int64_t> permute_dst, bool peers_only = false,
-                   bool at_source_slot = false, bool in_place = false, bool skip_own = false) {
+ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* in, size_t in_bytes,
+                   void* out_data, size_t out_bytes, ffi::Span<const int64_t> groups,
+                   int64_t group_size, ffi::Span<const int64_t> permute_dst,
+                   bool peers_only = false, bool at_source_slot = false, bool in_place = false,
+                   bool skip_own = false) {
   HostTimer timer("cpu handler");  // decode and rendezvous; the copies run at the last arrival
   OpSpec spec;
   std::vector<int64_t> ids;
-  ffi::Error decoded = DecodeOp(op, device, in_bytes, out_bytes, groups, group_size,
-                                permute_dst, peers_only, &spec, &ids, at_source_slot, in_place,
-                                skip_own);
+  ffi::Error decoded = DecodeOp(op, device, in_bytes, out_bytes, groups, group_size, permute_dst,
+                                peers_only, &spec, &ids, at_source_slot, in_place, skip_own);
   if (!decoded.success()) return Failed(std::move(decoded));
   in = InputFor(spec, in, out_data);
   std::string err = ValidateSpec(spec);
@@ -106,8 +105,8 @@ ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* i
   }
   Communicator& comm = GetCommunicator("cpu", ids);
   comm.ArriveAsync(
-      comm.NextSeqAt(spec.rank, call->key), spec.rank, SiteName(call->site, OpName(op)).c_str(),
-      in, out_data,
+      comm.NextSeqAt(spec.rank, call->key), spec.rank, SiteName(call->site, OpName(op)).c_str(), in,
+      out_data,
       [promise](const std::string& error) mutable {
         if (error.empty()) {
           promise.SetAvailable();
@@ -125,23 +124,21 @@ ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* i
 // `done` has nothing left to wait for. A start's outputs are (out, token[, x]) (StartOutput),
 // and done's outputs alias its inputs (set in the lowering), so neither copies.
 ffi::Future AllGatherStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
-                              ffi::RemainingRets rets,
-                              ffi::Span<const int64_t> groups, int64_t group_size,
-                              int64_t peers_only, int64_t /*stream: GPU only*/, int64_t /*site*/) {
+                              ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                              int64_t group_size, int64_t peers_only, int64_t /*stream: GPU only*/,
+                              int64_t /*site*/) {
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return Failed(out_or.error());
   ffi::Result<ffi::AnyBuffer> out = *out_or;
   return RunCpu(OpKind::kAllGather, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(),
-                groups, group_size, {}, peers_only != 0);
+                out->untyped_data(), out->size_bytes(), groups, group_size, {}, peers_only != 0);
 }
 // all_gather, or a ppermute into the sender's slot, into rows [offset, ...) of a larger
-// buffer: args (x[, dst]), the output aliasing dst when given (handlers_cuda.cc says more).
+// buffer: args (x[, dst]), the output aliasing dst when given (cuda/handlers_cuda.cc says more).
 ffi::Future IntoStartCpu(int32_t device, CpuCall* call, ffi::RemainingArgs args,
-                         ffi::RemainingRets rets,
-                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t offset,
-                         ffi::Span<const int64_t> permute_dst, int64_t in_place,
-                         int64_t /*stream: GPU only*/, int64_t /*site*/) {
+                         ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                         int64_t group_size, int64_t offset, ffi::Span<const int64_t> permute_dst,
+                         int64_t in_place, int64_t /*stream: GPU only*/, int64_t /*site*/) {
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return Failed(out_or.error());
   ffi::Result<ffi::AnyBuffer> out = *out_or;
@@ -153,27 +150,23 @@ ffi::Future IntoStartCpu(int32_t device, CpuCall* call, ffi::RemainingArgs args,
                 permute, into->in_place);
 }
 ffi::Future AllToAllStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
-                             ffi::RemainingRets rets,
-                             ffi::Span<const int64_t> groups, int64_t group_size,
-                             int64_t /*stream: GPU only*/, int64_t /*site*/) {
+                             ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                             int64_t group_size, int64_t /*stream: GPU only*/, int64_t /*site*/) {
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return Failed(out_or.error());
   ffi::Result<ffi::AnyBuffer> out = *out_or;
   return RunCpu(OpKind::kAllToAll, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(),
-                groups, group_size, {});
+                out->untyped_data(), out->size_bytes(), groups, group_size, {});
 }
 ffi::Future PermuteStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
-                            ffi::RemainingRets rets,
-                            ffi::Span<const int64_t> groups, int64_t group_size,
-                            ffi::Span<const int64_t> permute_dst,
+                            ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                            int64_t group_size, ffi::Span<const int64_t> permute_dst,
                             int64_t /*stream: GPU only*/, int64_t /*site*/) {
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return Failed(out_or.error());
   ffi::Result<ffi::AnyBuffer> out = *out_or;
   return RunCpu(OpKind::kPermute, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(),
-                groups, group_size, permute_dst);
+                out->untyped_data(), out->size_bytes(), groups, group_size, permute_dst);
 }
 ffi::Error DoneCpu(ffi::RemainingArgs, ffi::RemainingRets, int64_t /*site of the start*/) {
   return ffi::Error::Success();
@@ -190,23 +183,21 @@ ffi::Future AllGatherCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                          int64_t group_size, int64_t skip_own, int64_t /*site*/) {
   return RunCpu(OpKind::kAllGather, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(),
-                groups, group_size, {}, false, false, false, skip_own != 0);
+                out->untyped_data(), out->size_bytes(), groups, group_size, {}, false, false, false,
+                skip_own != 0);
 }
 ffi::Future AllToAllCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                         int64_t group_size, int64_t skip_own, int64_t /*site*/) {
   return RunCpu(OpKind::kAllToAll, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(),
-                groups, group_size, {}, false, false, false, skip_own != 0);
+                out->untyped_data(), out->size_bytes(), groups, group_size, {}, false, false, false,
+                skip_own != 0);
 }
 ffi::Future PermuteCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                       int64_t group_size, ffi::Span<const int64_t> permute_dst,
-                       int64_t /*site*/) {
+                       int64_t group_size, ffi::Span<const int64_t> permute_dst, int64_t /*site*/) {
   return RunCpu(OpKind::kPermute, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(),
-                groups, group_size, permute_dst);
+                out->untyped_data(), out->size_bytes(), groups, group_size, permute_dst);
 }
 
 }  // namespace
@@ -260,9 +251,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kInstantiateCpuCall, InstantiateCpuCall,
                               ffi::Ffi::BindInstantiate().Attrs());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kOrderAfter, OrderAfter,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kDoneCpu, DoneCpu,
-                              ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attr<int64_t>(
-                                  "site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kDoneCpu, DoneCpu, ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attr<int64_t>("site"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherCpu, AllGatherCpu,
                               ffi::Ffi::Bind()

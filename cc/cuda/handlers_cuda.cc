@@ -1,0 +1,234 @@
+// XLA FFI handlers for platform "CUDA": the same attributes as the CPU handlers
+// (cpu/handlers_cpu.cc), so the Python lowering is identical; the plan runs on the CUDA executor
+// (cuda_executor.h) in "direct" mode on XLA's stream of this device. The fused ops' own
+// handlers are in fused/handlers_fused.cc.
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "communicator.h"
+#include "cuda/async_streams.h"
+#include "cuda/cuda_executor.h"
+#include "ffi/handler_common.h"
+#include "ffi/handlers.h"
+#include "host_profile.h"
+#include "job.h"
+#include "plan.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace hoccl {
+namespace {
+
+ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffer x,
+                   ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
+                   int64_t group_size, ffi::Span<const int64_t> permute_dst, int64_t site,
+                   bool skip_own = false) {
+  HostTimer timer("collective");
+  static const bool debug = [] {
+    const char* v = std::getenv("JAX_HOCCL_DEBUG");
+    return v && *v && std::strcmp(v, "0") != 0;
+  }();
+  if (debug) {
+    std::fprintf(
+        stderr,
+        "[jax_hoccl] handler %s: device %lld, stream %p, %zu groups entries, group size %lld\n",
+        OpName(op), static_cast<long long>(device), static_cast<void*>(stream), groups.size(),
+        static_cast<long long>(group_size));
+    std::fflush(stderr);
+  }
+  OpSpec spec;
+  std::vector<int64_t> ids;
+  ffi::Error decoded =
+      DecodeOp(op, GlobalDeviceId(device), x.size_bytes(), out->size_bytes(), groups, group_size,
+               permute_dst, false, &spec, &ids, false, false, skip_own);
+  if (!decoded.success()) return decoded;
+  // Every rank sees the same shapes, so all skip together and sequence numbers stay in step.
+  if (spec.bytes == 0) return ffi::Error::Success();
+  Communicator& comm = CudaCommunicator(ids);
+  ExecStatus st = RunOnCuda(comm, spec, stream, x.untyped_data(), out->untyped_data(), 0,
+                            SiteName(site, OpName(op)));
+  if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
+  return ffi::Error::Success();
+}
+
+// `site` only names the user's op in errors here (the CPU engine pairs calls by it): every
+// GPU runs its thunks in schedule order, so the per-communicator sequence pairs calls.
+// skip_own: my own slot of the output is left unwritten (plan.h).
+ffi::Error AllGatherCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                         ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
+                         int64_t group_size, int64_t skip_own, int64_t site) {
+  return RunCuda(OpKind::kAllGather, stream, device, x, out, groups, group_size, {}, site,
+                 skip_own != 0);
+}
+ffi::Error AllToAllCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
+                        int64_t group_size, int64_t skip_own, int64_t site) {
+  return RunCuda(OpKind::kAllToAll, stream, device, x, out, groups, group_size, {}, site,
+                 skip_own != 0);
+}
+ffi::Error PermuteCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
+                       int64_t group_size, ffi::Span<const int64_t> permute_dst, int64_t site) {
+  return RunCuda(OpKind::kPermute, stream, device, x, out, groups, group_size, permute_dst, site);
+}
+
+// ---- async pairs: each start runs its exchange on an async stream (cuda/async_streams.h).
+ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                              ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                              int64_t group_size, int64_t peers_only, int64_t stream_index,
+                              int64_t site) {
+  auto out_or = StartOutput(rets);
+  if (out_or.has_error()) return out_or.error();
+  ffi::Result<ffi::AnyBuffer> out = *out_or;
+  return StartCuda(OpKind::kAllGather, stream, device, x.untyped_data(), x.size_bytes(),
+                   out->untyped_data(), out->size_bytes(), groups, group_size, {}, stream_index,
+                   site, peers_only != 0);
+}
+// all_gather (permute_dst empty), or a ppermute into the sender's slot, into rows of a larger
+// buffer: args (x[, dst]); when dst is given the output aliases it (set in the lowering),
+// else XLA allocates it and the other rows stay unwritten for later calls of the chain.
+ffi::Error IntoStartCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
+                         ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                         int64_t group_size, int64_t offset, ffi::Span<const int64_t> permute_dst,
+                         int64_t in_place, int64_t stream_index, int64_t site) {
+  auto out_or = StartOutput(rets);
+  if (out_or.has_error()) return out_or.error();
+  ffi::Result<ffi::AnyBuffer> out = *out_or;
+  auto into = DecodeInto(args, *out, group_size, offset, in_place);
+  if (into.has_error()) return into.error();
+  const bool permute = permute_dst.size() > 0;
+  return StartCuda(permute ? OpKind::kPermute : OpKind::kAllGather, stream, device, into->x,
+                   into->x_bytes, into->dst, into->bytes, groups, group_size, permute_dst,
+                   stream_index, site, false, permute, into->in_place);
+}
+ffi::Error AllToAllStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                             ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                             int64_t group_size, int64_t stream_index, int64_t site) {
+  auto out_or = StartOutput(rets);
+  if (out_or.has_error()) return out_or.error();
+  ffi::Result<ffi::AnyBuffer> out = *out_or;
+  return StartCuda(OpKind::kAllToAll, stream, device, x.untyped_data(), x.size_bytes(),
+                   out->untyped_data(), out->size_bytes(), groups, group_size, {}, stream_index,
+                   site, false);
+}
+ffi::Error PermuteStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                            ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
+                            int64_t group_size, ffi::Span<const int64_t> permute_dst,
+                            int64_t stream_index, int64_t site) {
+  auto out_or = StartOutput(rets);
+  if (out_or.has_error()) return out_or.error();
+  ffi::Result<ffi::AnyBuffer> out = *out_or;
+  return StartCuda(OpKind::kPermute, stream, device, x.untyped_data(), x.size_bytes(),
+                   out->untyped_data(), out->size_bytes(), groups, group_size, permute_dst,
+                   stream_index, site, false);
+}
+
+ffi::Error DoneCuda(cudaStream_t xla_stream, int32_t device, ffi::RemainingArgs, ffi::RemainingRets,
+                    int64_t site) {
+  HostTimer timer("done");
+  AsyncState& a = AsyncStateFor(device);
+  auto it = a.pending.find(site);
+  if (it == a.pending.end() || it->second.empty())
+    return ffi::Error::Internal("jax_hoccl done: no pending start for this done (site " +
+                                std::to_string(site) + ")");
+  cudaEvent_t finished = it->second.front();
+  it->second.pop_front();
+  cudaError_t e = cudaStreamWaitEvent(xla_stream, finished, 0);
+  a.free_events.push_back(finished);  // reusable: the wait above captured this record
+  if (e != cudaSuccess) return CudaFail("cudaStreamWaitEvent", e);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCuda, AllGatherStartCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("peers_only")
+                                  .Attr<int64_t>("stream")
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kIntoStartCuda, IntoStartCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<ffi::Span<const int64_t>>("permute_dst")
+                                  .Attr<int64_t>("in_place")
+                                  .Attr<int64_t>("stream")
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCuda, AllToAllStartCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("stream")
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCuda, PermuteStartCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<ffi::Span<const int64_t>>("permute_dst")
+                                  .Attr<int64_t>("stream")
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kDoneCuda, DoneCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("site"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherCuda, AllGatherCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("skip_own")
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllCuda, AllToAllCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("skip_own")
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteCuda, PermuteCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<ffi::Span<const int64_t>>("permute_dst")
+                                  .Attr<int64_t>("site"));
+
+}  // namespace hoccl
