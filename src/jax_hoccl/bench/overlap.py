@@ -141,9 +141,13 @@ def run(out_dir: str, commit: str, sm_percent: int = 100 // RANKS) -> str:
     row["reference_us"] = max(r["reference_us"] for r in per_rank)
     rows.append(row)
   import jax
+  gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                        capture_output=True, text=True).stdout.split("\n")[:1]
   result = {"what": "fused op vs its reference, every rank at once, ranks sharing one GPU "
                     "under MPS with the SMs split (jax_hoccl/bench/overlap.py)",
-            "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
+            "machine": f"{gpus[0]} ({RANKS} ranks under MPS, {sm_percent}% of the SMs each), "
+                       f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "devices": gpus,
             "jax": jax.__version__, "commit": commit, "date": str(datetime.date.today()),
             "overlap": rows}
   print(f"{'op':22s} {'M':>6s} {'fused us':>10s} {'reference us':>13s} ratio")

@@ -61,8 +61,9 @@ def all_gather_matmul(x, w, axis_name):
   and w [K, N]; returns [n*m, ..., N]. Call inside shard_map.
 
   Runs as one flagged GEMM fed as the peers' rows land (gather_into_gemm.py) on Hopper GPUs
-  for bf16/f16 with m (times the inner dims) % 512 == 0, K % 64 == 0, N % 256 == 0; else as
-  a gather beside row GEMMs (cuBLASLt for bf16/f16 on GPU, XLA's dot otherwise)."""
+  for bf16/f16 with m (times the inner dims) % 512 == 0, K % 64 == 0, N % 256 == 0, unless
+  ranks share a GPU (its in-kernel waits would then wait for copies that need its SMs); else
+  as a gather beside row GEMMs (cuBLASLt for bf16/f16 on GPU, XLA's dot otherwise)."""
   axes, n = axes_lib.check_axes(axis_name, "all_gather_matmul")
   x, w = jnp.asarray(x), jnp.asarray(w)
   if x.ndim < 2 or w.ndim != 2 or x.shape[-1] != w.shape[0]:

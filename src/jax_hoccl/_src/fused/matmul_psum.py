@@ -116,7 +116,8 @@ def matmul_psum(x, w, axis_name, *, chunks=None):
 
   Runs as one flagged GEMM (the ring, then each summed band all-gathered as it is stored;
   gemm_ring.py) on Hopper GPUs for bf16/f16 with M/n (times the inner dims) % 256 == 0,
-  K % 64 == 0, N % 256 == 0 and chunks=None; else as row-piece GEMMs pipelined with the
+  K % 64 == 0, N % 256 == 0 and chunks=None, unless ranks share a GPU (its in-kernel waits
+  would then wait for copies that need its SMs); else as row-piece GEMMs pipelined with the
   exchanges.
 
   chunks: how each rank's M/n-row block is cut for the row-piece pipeline: None (by size;

@@ -100,8 +100,9 @@ def matmul_reduce_scatter(x, w, axis_name, *, chunks=None):
   [M/n, ..., N]. Call inside shard_map.
 
   Runs as one flagged GEMM walking the ring (gemm_ring.py) on Hopper GPUs for bf16/f16 with
-  M/n (times the inner dims) % 256 == 0, K % 64 == 0, N % 256 == 0 and chunks=None; else as a
-  ring of row-piece GEMMs (bf16/f16: cuBLASLt on GPU) or, for other dtypes, one block sent
+  M/n (times the inner dims) % 256 == 0, K % 64 == 0, N % 256 == 0 and chunks=None, unless
+  ranks share a GPU (its in-kernel waits would then wait for copies that need its SMs); else
+  as a ring of row-piece GEMMs (bf16/f16: cuBLASLt on GPU) or, for other dtypes, one block sent
   per rank.
 
   chunks: how each rank's M/n-row block is cut into the row-piece ring's pieces (bf16/f16):
