@@ -6,11 +6,8 @@ this file (pytest imports conftest.py before any test module).
 import contextlib
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -185,45 +182,18 @@ def run_processes(tmp_path, worker: str, timeout: float, n: int = 2, env=None,
                   drop=("XLA_FLAGS", "JAX_HOCCL_NODE")):
   """Runs `worker` as processes 0..n-1 of a jax.distributed job on localhost (argv: address,
   process id, n) with this environment less `drop`, plus `env`; their outputs."""
-  from jax_hoccl.launch import local_address
+  from jax_hoccl.launch import end_group, local_address, start_group
   script = tmp_path / "worker.py"
   script.write_text(worker)
   addr = local_address()
   base = {k: v for k, v in os.environ.items() if k not in drop}
-  procs = []
-  for i in range(n):  # one process group, killed whole (ranks left behind upset MPS)
-    procs.append(subprocess.Popen([sys.executable, "-P", str(script), addr, str(i), str(n)],
-                                  env={**base, **(env or {})}, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True,
-                                  process_group=procs[0].pid if procs else 0))
+  procs = start_group(
+      [[sys.executable, "-P", str(script), addr, str(i), str(n)] for i in range(n)],
+      [{**base, **(env or {})}] * n, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     return [p.communicate(timeout=timeout)[0] for p in procs]
   finally:
-    try:
-      os.killpg(procs[0].pid, signal.SIGKILL)
-    except ProcessLookupError:
-      pass
-    for p in procs:
-      p.kill()
-      p.wait()
-
-
-@contextlib.contextmanager
-def mps_daemon():
-  """An MPS control daemon of its own (pipe and log folders in fresh temp folders), so that
-  several processes' kernels share one GPU at once instead of taking turns; yields the
-  environment its clients need, and quits the daemon on the way out."""
-  env = {"CUDA_MPS_PIPE_DIRECTORY": tempfile.mkdtemp(prefix="mps-pipe-"),
-         "CUDA_MPS_LOG_DIRECTORY": tempfile.mkdtemp(prefix="mps-log-")}
-  full = {**os.environ, **env}
-  subprocess.run(["nvidia-cuda-mps-control", "-d"], env=full, check=True, timeout=60)
-  try:
-    yield env
-  finally:
-    subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env=full,
-                   timeout=60)
-    for d in env.values():
-      shutil.rmtree(d, ignore_errors=True)
+    end_group(procs)
 
 
 def shared_memory_left():

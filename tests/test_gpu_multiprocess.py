@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 
-from conftest import mps_daemon, run_processes, shared_memory_left
+from conftest import run_processes, shared_memory_left
+from jax_hoccl.launch import mps_daemon
 
 HAS_GPU = bool(glob.glob("/dev/nvidia[0-9]*")) and any(
     importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))

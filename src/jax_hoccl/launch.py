@@ -5,18 +5,23 @@ and joins them into one jax.distributed job:
 
 The program calls `jax_hoccl.launch.initialize()` before using jax (a no-op when it was not
 started by this launcher). Process i gets GPU i; with fewer GPUs than processes they share
-GPU 0 (each with 1/N of its memory: for testing, one GPU's copy engines serve all); without a
-GPU each gets 8/N virtual CPU devices (at least 1). Output lines are prefixed with the process
-index; the exit status is the first non-zero one.
+GPU 0 (each with 1/N of its memory), under an MPS daemon of the launcher's own so that their
+kernels run at once instead of taking turns; without a GPU each gets 8/N virtual CPU devices
+(at least 1). Output lines are prefixed with the process index; the exit status is the first
+non-zero one.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 
 _ENV = "JAX_HOCCL_LAUNCH"  # "address,num_processes,process_id,local_gpu or -1"
@@ -43,6 +48,46 @@ def local_address() -> str:
     return f"127.0.0.1:{s.getsockname()[1]}"
 
 
+@contextlib.contextmanager
+def mps_daemon():
+  """An MPS control daemon of its own (pipe and log folders in fresh temp folders): processes
+  given the environment it yields share the GPU at once instead of taking turns. It quits on
+  the way out; end its clients first (start_group, end_group)."""
+  env = {"CUDA_MPS_PIPE_DIRECTORY": tempfile.mkdtemp(prefix="mps-pipe-"),
+         "CUDA_MPS_LOG_DIRECTORY": tempfile.mkdtemp(prefix="mps-log-")}
+  full = {**os.environ, **env}
+  try:
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], env=full, check=True, timeout=60)
+    yield env
+  finally:
+    subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env=full,
+                   timeout=60, capture_output=True)
+    for d in env.values():
+      shutil.rmtree(d, ignore_errors=True)
+
+
+def start_group(commands, envs, **popen):
+  """Starts the commands as one process group (a list of Popen), so that end_group can end
+  them all: ranks killed one by one and left behind once left MPS refusing new clients."""
+  procs = []
+  for cmd, env in zip(commands, envs):
+    procs.append(subprocess.Popen(cmd, env=env, process_group=procs[0].pid if procs else 0,
+                                  **popen))
+  return procs
+
+
+def end_group(procs) -> None:
+  """Kills what is left of a start_group group and reaps it."""
+  if not procs:
+    return
+  try:
+    os.killpg(procs[0].pid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+  for p in procs:
+    p.wait()
+
+
 def _pump(stream, prefix: str) -> None:
   for line in stream:
     sys.stdout.write(prefix + line)
@@ -59,10 +104,16 @@ def main(argv=None) -> int:
   if a.nproc < 1:
     ap.error("--nproc must be >= 1")
   gpus = len(glob.glob("/dev/nvidia[0-9]*"))
+  with contextlib.ExitStack() as stack:
+    shared = stack.enter_context(mps_daemon()) if 0 < gpus < a.nproc else {}
+    return _run(a, gpus, shared)
+
+
+def _run(a, gpus: int, shared: dict) -> int:
   address = local_address()
-  procs, pumps = [], []
+  envs = []
   for i in range(a.nproc):
-    env = dict(os.environ)
+    env = {**os.environ, **shared}
     if gpus >= a.nproc:
       gpu = i
     elif gpus:
@@ -74,25 +125,29 @@ def main(argv=None) -> int:
                           f" --xla_force_host_platform_device_count={max(1, 8 // a.nproc)}").strip()
       env.setdefault("PJRT_NPROC", "16")
     env[_ENV] = f"{address},{a.nproc},{i},{gpu}"
-    p = subprocess.Popen([sys.executable, a.script, *a.args], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-    t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] "), daemon=True)
+    envs.append(env)
+  procs = start_group([[sys.executable, a.script, *a.args]] * a.nproc, envs,
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  pumps = [threading.Thread(target=_pump, args=(p.stdout, f"[{i}] "), daemon=True)
+           for i, p in enumerate(procs)]
+  for t in pumps:
     t.start()
-    procs.append(p)
-    pumps.append(t)
-  # One process failing leaves its peers waiting for it: end them too.
-  codes = [None] * len(procs)
-  while None in codes:
-    for k, p in enumerate(procs):
-      if codes[k] is None:
-        try:
-          codes[k] = p.wait(timeout=0.2)
-        except subprocess.TimeoutExpired:
-          pass
-      if codes[k]:
-        for q in procs:
-          if q.poll() is None:
-            q.terminate()
+  try:
+    # One process failing leaves its peers waiting for it: end them too.
+    codes = [None] * len(procs)
+    while None in codes:
+      for k, p in enumerate(procs):
+        if codes[k] is None:
+          try:
+            codes[k] = p.wait(timeout=0.2)
+          except subprocess.TimeoutExpired:
+            pass
+        if codes[k]:
+          for q in procs:
+            if q.poll() is None:
+              q.terminate()
+  finally:
+    end_group(procs)
   for t in pumps:
     t.join(timeout=5)
   return next((c for c in codes if c), 0)

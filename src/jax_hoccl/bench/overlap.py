@@ -17,13 +17,11 @@ import datetime
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 
-from jax_hoccl.launch import local_address
+from jax_hoccl.launch import end_group, local_address, mps_daemon, start_group
 
 RANKS = 2
 ROUNDS = 5
@@ -101,36 +99,20 @@ WORKER = textwrap.dedent("""
 
 def run(out_dir: str, commit: str, sm_percent: int = 100 // RANKS) -> str:
   """Runs the ranks under an MPS daemon of their own; writes and returns the results JSON."""
-  pipe, log = tempfile.mkdtemp(prefix="mps-pipe-"), tempfile.mkdtemp(prefix="mps-log-")
-  mps = {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": log}
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  env.update(mps, ROUNDS=str(ROUNDS), JAX_HOCCL_TIMEOUT_S="120",
+  env.update(ROUNDS=str(ROUNDS), JAX_HOCCL_TIMEOUT_S="120",
              CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(sm_percent),
              XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.8 / RANKS:.2f}",
              XLA_FLAGS="--xla_gpu_shard_autotuning=false")
-  subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **mps}, check=True,
-                 timeout=60)
-  procs = []
-  try:
+  with mps_daemon() as mps:
     addr = local_address()
-    for i in range(RANKS):  # one process group, killed whole before MPS quits
-      procs.append(subprocess.Popen(
-          [sys.executable, "-c", WORKER, str(i), str(RANKS), addr], env=env,
-          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-          process_group=procs[0].pid if procs else 0))
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-  finally:
-    if procs:
-      try:
-        os.killpg(procs[0].pid, 9)
-      except ProcessLookupError:
-        pass
-    for p in procs:
-      p.wait()
-    subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True,
-                   env={**os.environ, **mps}, timeout=60)
-    shutil.rmtree(pipe, ignore_errors=True)
-    shutil.rmtree(log, ignore_errors=True)
+    procs = start_group([[sys.executable, "-c", WORKER, str(i), str(RANKS), addr]
+                         for i in range(RANKS)], [{**env, **mps}] * RANKS,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+      outs = [p.communicate(timeout=900)[0] for p in procs]
+    finally:
+      end_group(procs)
   results = [json.loads(o.split("RESULT")[1].splitlines()[0]) for o in outs if "RESULT" in o]
   if len(results) != RANKS:
     raise RuntimeError("\n".join(o[-3000:] for o in outs))
