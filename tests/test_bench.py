@@ -55,3 +55,17 @@ def test_plot_draws_a_committed_result(tmp_path):
   for name in ("busbw.png", "small_ops.png", "fused.png"):
     path = tmp_path / "fig" / name
     assert path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_per_call_rows_set_each_collective_beside_the_program_without_it(tmp_path, monkeypatch):
+  """--processes: two processes of one CPU device each; every (op, size) row carries the same
+  program's time without the collective, measured in the same job."""
+  from jax_hoccl.bench import processes
+  monkeypatch.setattr(processes, "OPS", ("psum", "ppermute"))
+  monkeypatch.setattr(processes, "BYTES_PER_RANK", (4096,))
+  result = json.load(open(processes.run(str(tmp_path), "test")))
+  rows = result["per_call"]
+  assert [(r["op"], r["bytes_per_rank"], r["ranks"], r["mps"]) for r in rows] == [
+      ("psum", 4096, 2, False), ("ppermute", 4096, 2, False)]
+  assert all(r["us_per_call"] > 0 and r["baseline_us_per_call"] > 0 for r in rows), rows
+  assert rows[0]["baseline_us_per_call"] == rows[1]["baseline_us_per_call"]  # one baseline

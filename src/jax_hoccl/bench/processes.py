@@ -1,12 +1,21 @@
-"""Host time per call of jax_hoccl's rendezvous across processes against the one inside a
-process, on whatever devices exist (CPU: 2 devices in one process vs 2 processes of 1 device;
-one GPU: 2 processes sharing it, reported alone). jit calls of a psum of 64 KiB dispatched
-back to back and waited for at the end; the median of 5 rounds of 200 calls.
+"""Time per call of jax_hoccl's collectives across processes, each beside the same program
+without the collective (`a * 0.5`, measured in the same process): what a collective adds to a
+jit call, host work included. jit calls dispatched back to back (each call's output is the
+next one's input) and waited for at the end; the median of 5 rounds of 200 calls.
+
+On one GPU, 2 and 4 processes share it under an MPS daemon of their own (their kernels run at
+once, as on GPUs of their own; same-GPU copies run on SMs, HBM is shared and there is no
+NVLink: the host work per call and the protocol's hops transfer to several GPUs, the bytes'
+cost does not). Without a GPU, 2 processes of one CPU device each.
 
     python -m jax_hoccl.bench --processes [--out DIR]
+
+Rows: {"op", "bytes_per_rank", "ranks", "mps", "us_per_call", "baseline_us_per_call"}, the
+slowest rank's.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import glob
 import json
@@ -16,76 +25,107 @@ import subprocess
 import sys
 import textwrap
 
-from jax_hoccl.launch import local_address
+from jax_hoccl.launch import end_group, local_address, mps_daemon, start_group
+
+OPS = ("psum", "all_gather", "ppermute")
+BYTES_PER_RANK = (4 << 10, 64 << 10, 1 << 20)
 
 WORKER = textwrap.dedent("""
-    import os, sys, time, json
-    n_proc, me, addr, local = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    import json, os, sys, time
+    n, me, addr = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     import jax
-    if n_proc > 1:
-        kw = {"local_device_ids": [0]} if os.environ.get("BENCH_GPU") else {}
-        jax.distributed.initialize(addr, num_processes=n_proc, process_id=me, **kw)
+    kw = {"local_device_ids": [0]} if os.environ.get("BENCH_GPU") else {}
+    jax.distributed.initialize(addr, num_processes=n, process_id=me, **kw)
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     import jax_hoccl
-    devs = jax.devices()[:2]
-    mesh = jax.make_mesh((2,), ("x",), devices=devs)
-    f = jax.jit(jax.shard_map(lambda v: jax_hoccl.psum(v, "x") * 0.5, mesh=mesh,
-                              in_specs=P("x"), out_specs=P("x")))
-    local_rows = 2 // n_proc
-    y = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")),
-                                               np.ones((local_rows, 16384), np.float32))
-    f(y).block_until_ready()
-    rounds = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(200):
-            y = f(y)
-        y.block_until_ready()
-        rounds.append((time.perf_counter() - t0) / 200 * 1e6)
-    print("RESULT" + json.dumps({"us_per_call": sorted(rounds)[2], "platform": devs[0].platform}))
+    mesh = jax.make_mesh((n,), ("x",))
+    shift = [(i, (i + 1) % n) for i in range(n)]
+    bodies = {
+        "psum": lambda v: jax_hoccl.psum(v, "x") * 0.5,
+        "all_gather": lambda v: jax_hoccl.all_gather(v, "x", tiled=True)[:v.shape[0]] * 0.5,
+        "ppermute": lambda v: jax_hoccl.ppermute(v, "x", shift) * 0.5,
+        "none": lambda v: v * 0.5,
+    }
+
+    def per_call(body, nbytes):
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        y = jax.make_array_from_process_local_data(
+            NamedSharding(mesh, P("x")), np.ones((1, nbytes // 4), np.float32))
+        y = f(y).block_until_ready()
+        rounds = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(200):
+                y = f(y)
+            y.block_until_ready()
+            rounds.append((time.perf_counter() - t0) / 200 * 1e6)
+        return sorted(rounds)[2]
+
+    rows = []
+    for nbytes in json.loads(os.environ["BYTES"]):
+        base = per_call(bodies["none"], nbytes)
+        for op in json.loads(os.environ["OPS"]):
+            rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n,
+                             us_per_call=per_call(bodies[op], nbytes), baseline_us_per_call=base))
+    print("RESULT" + json.dumps({"rows": rows, "platform": jax.devices()[0].platform}))
     os._exit(0)
 """)
 
 
-def _run(n_proc, env):
+def _run(n: int, env: dict):
+  """The rows of one job of n processes (the slowest rank's times), and the platform."""
   addr = local_address()
-  procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(n_proc), str(i), addr, "1"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(n_proc)]
-  outs = [p.communicate(timeout=600)[0] for p in procs]
+  procs = start_group([[sys.executable, "-c", WORKER, str(n), str(i), addr] for i in range(n)],
+                      [env] * n, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+  finally:
+    end_group(procs)
   results = [json.loads(o.split("RESULT")[1].splitlines()[0]) for o in outs if "RESULT" in o]
-  if len(results) != n_proc:
+  if len(results) != n:
     raise RuntimeError("\n".join(o[-2000:] for o in outs))
-  return max(r["us_per_call"] for r in results), results[0]["platform"]
+  rows = []
+  for per_rank in zip(*(r["rows"] for r in results)):
+    row = dict(per_rank[0])
+    for key in ("us_per_call", "baseline_us_per_call"):
+      row[key] = max(r[key] for r in per_rank)
+    rows.append(row)
+  return rows, results[0]["platform"]
 
 
 def run(out_dir: str, commit: str) -> str:
-  """Runs the comparison; writes and returns the results JSON's path."""
+  """Runs the jobs; writes and returns the results JSON's path."""
   base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_HOCCL_NODE")}
   # XLA:CPU hangs with many launches in flight and few threads (docs/design.md, section 3).
   base.setdefault("PJRT_NPROC", "16")
   base.setdefault("JAX_HOCCL_TIMEOUT_S", "60")
+  base.update(OPS=json.dumps(OPS), BYTES=json.dumps(BYTES_PER_RANK))
   gpu = bool(glob.glob("/dev/nvidia[0-9]*"))
-  rows = {}
-  if gpu:
-    env = {**base, "BENCH_GPU": "1", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"}
-    rows["2 processes, 1 GPU"], plat = _run(2, env)
-  else:
-    rows["1 process, 2 CPU devices"], plat = _run(
-        1, {**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
-    rows["2 processes, 1 CPU device each"], _ = _run(
-        2, {**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+  rows = []
+  for n in ((2, 4) if gpu else (2,)):
+    with contextlib.ExitStack() as stack:
+      if gpu:
+        env = {**base, **stack.enter_context(mps_daemon()), "BENCH_GPU": "1",
+               "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.6 / n:.2f}",
+               "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"}
+      else:
+        env = {**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+      job_rows, plat = _run(n, env)
+    rows += [dict(r, mps=gpu) for r in job_rows]
   import jax
-  result = {"what": "host time per jit call of a 64 KiB psum (median of 5 x 200 calls)",
-            "platform": plat, "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
+  result = {"what": "time per jit call, back to back, against the same program without the "
+                    "collective (median of 5 x 200 calls; jax_hoccl/bench/processes.py)",
+            "platform": plat,
+            "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
             "jax": jax.__version__, "commit": commit, "date": str(datetime.date.today()),
-            "us_per_call": rows}
-  print(f"{'setup':<34} us per call")
-  for k, v in rows.items():
-    print(f"{k:<34} {v:10.1f}")
+            "per_call": rows}
+  print(f"{'op':<11} {'per rank':>9} ranks {'us/call':>9} {'without':>9} {'added':>8}")
+  for r in rows:
+    print(f"{r['op']:<11} {r['bytes_per_rank']:9d} {r['ranks']:5d} {r['us_per_call']:9.1f} "
+          f"{r['baseline_us_per_call']:9.1f} {r['us_per_call'] - r['baseline_us_per_call']:8.1f}")
   os.makedirs(out_dir, exist_ok=True)
-  name = os.path.join(out_dir, f"{result['date']}-{'1xH200' if gpu else 'cpu'}-processes.json")
+  name = os.path.join(out_dir, f"{result['date']}-{'1xH200' if gpu else 'cpu'}-per-call.json")
   with open(name, "w") as f:
     json.dump(result, f, indent=1)
   return name
