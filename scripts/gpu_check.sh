@@ -43,7 +43,9 @@ else
   SUMMARY+=("ipc_memory_test: BUILD FAILED (build.log)")
 fi
 echo "== one process per GPU: two processes sharing GPU 0 (before this shell's pytest holds the GPU)"
-timeout 500 $PY -m pytest tests/test_gpu_multiprocess.py -q -x -s -p no:cacheprovider 2>&1 | tee "$OUTDIR/gpu_multiprocess.log" | grep -E "TIME|OK |passed|failed|Error|assert" | tail -30
+# (the fused ops at 1024-16384 rows per rank, 2 and 4 ranks, time-sliced and under MPS with
+# the SMs shared and split, take most of it: each starts its own MPS daemon)
+timeout 1500 $PY -m pytest tests/test_gpu_multiprocess.py -q -x -s -p no:cacheprovider 2>&1 | tee "$OUTDIR/gpu_multiprocess.log" | grep -E "TIME|OK |passed|failed|Error|assert" | tail -30
 SUMMARY+=("gpu multiprocess tests: $(grep -E '(passed|failed|error)' "$OUTDIR/gpu_multiprocess.log" | tail -1)")
 mapfile -t TIMES < <(grep "^TIME" "$OUTDIR/gpu_multiprocess.log" | sort -u | head -6)
 SUMMARY+=("${TIMES[@]}")
@@ -75,6 +77,13 @@ NGPU=$(nvidia-smi -L | wc -l)
 if [ "$NGPU" -lt 2 ] && [ -z "$QUICK" ]; then QUICK=--gemm-only; fi
 echo "== benchmark $QUICK"
 timeout 420 $PY -m jax_hoccl.bench $QUICK --out benchmarks/results 2>&1 | tee "$OUTDIR/bench.log" | grep -v "^  "
+if [ "$NGPU" -lt 2 ] && [ "$QUICK" = --gemm-only ]; then
+  # one GPU: ranks share it under MPS (per call; the fused ops with the SMs split)
+  echo "== per call across processes, 2 and 4 ranks under MPS"
+  timeout 300 $PY -m jax_hoccl.bench --processes --out benchmarks/results 2>&1 | tee "$OUTDIR/per_call.log" | tail -20
+  echo "== the fused ops' overlap, 2 ranks under MPS with the SMs split"
+  timeout 400 $PY -m jax_hoccl.bench --overlap --out benchmarks/results 2>&1 | tee "$OUTDIR/overlap.log" | tail -10
+fi
 cp benchmarks/results/*.json "$OUTDIR/" 2>/dev/null
 
 echo
