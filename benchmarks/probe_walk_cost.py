@@ -19,8 +19,8 @@ def t(f, *args):
   return statistics.median(profiler.measure(f, iterations=20)(*args)[1]) * 1e3
 
 
-def ones_ready(count):  # uint64 flags whose low words are 1
-  return jnp.zeros((count, 2), jnp.int32).at[:, 0].set(1).reshape(-1)
+def ones_ready(count):  # uint64 flags whose low words are 1, then the tile claims (zero)
+  return jnp.zeros((fg.ready_words(count),), jnp.int32).at[:2 * count:2].set(1)
 
 
 def programs(m_total, n):
