@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
+from jax_hoccl._src.ops import common
 
 
 def split(mesh, axes):
@@ -70,8 +71,12 @@ def lowering_for(op: str, ctx, x, **params):
         "nodes is not supported; use mesh axes whose groups stay inside a node.")
   local, cross, sizes = split(mesh, tuple(params.pop("axes")))
   fn = _ACROSS[op]
-  return ji.lower_fun(fn, multiple_results=False)(
-      ctx, x, axes=tuple(a for a in sizes), local=local, cross=cross,
-      sizes=tuple(sizes.items()), mesh_order=tuple(mesh.axis_names), **params)
+  # Traced for x typed varying over the axes it is unreduced or reduced over (the same
+  # bytes): the compositions' reshapes and transposes may have no unreduced rules.
+  plain = [common.as_varying(ctx.avals_in[0], ())]
+  return ji.lower_with_avals(
+      ctx, plain, ji.lower_fun(fn, multiple_results=False), x, axes=tuple(a for a in sizes),
+      local=local, cross=cross, sizes=tuple(sizes.items()), mesh_order=tuple(mesh.axis_names),
+      **params)
 
 
