@@ -322,6 +322,7 @@ def test_peer_that_never_calls_times_out_naming_the_op(tmp_path):
   assert "ERROR after" in out, out[-2000:]
   assert "jax_hoccl psum" in out and "timed out after 5 s" in out, out[-2000:]
   assert "from peer(s): rank 1 (device " in out and ", process 1, pid" in out, out[-2000:]
+  assert "(in no jax_hoccl call)" in out and "--xla_gpu_shard_autotuning=false" in out
   assert not shared_memory_left()
 
 
