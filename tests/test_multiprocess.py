@@ -116,6 +116,22 @@ HIERARCHICAL_WORKER = textwrap.dedent("""
               err = max(float(np.abs(g - r).max()) for g, r in zip(g1, g2))
               assert err < 1e-5, (name, axes, "grad", err)
             print("OK", name, axes, flush=True)
+    # FSDP: a weight reduced over one axis, gathered over the other. Its cotangent is
+    # unreduced over the first through the gather's transpose (inside and across nodes).
+    w_all = np.random.default_rng(7).standard_normal((5, 4)).astype(np.float32)  # same everywhere
+    for red, gat in (("local", "node"), ("node", "local")):
+        w = jax.device_put(w_all, NamedSharding(mesh, P(None, gat)))
+        def fsdp(m, v, w):
+            def loss(w):
+                wg = m.all_gather(jax.lax.pcast(w, red, to="reduced"), gat, axis=1, tiled=True)
+                return jax.lax.psum(jnp.sum(jnp.tanh(v @ wg)), ("node", "local"))
+            return jax.grad(loss)(w)
+        got, ref = ([np.asarray(s.data) for s in jax.jit(jax.shard_map(
+            lambda v, w, m=m: fsdp(m, v, w), mesh=mesh, in_specs=(spec, P(None, gat)),
+            out_specs=P(None, gat)))(x, w).addressable_shards] for m in (jax_hoccl, jax.lax))
+        assert max(float(np.abs(g - r).max()) for g, r in zip(got, ref)) < 1e-5, (red, gat)
+        assert max(float(np.abs(r).max()) for r in ref) > 0
+        print("OK fsdp", red, gat, flush=True)
     # Invariant gather over every device: the same everywhere.
     got, ref = (run(lambda v: m.all_gather(v, ("node", "local"), tiled=True, to="invarying"),
                     out_specs=P()) for m in (jax_hoccl, jax.lax))

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
-from jax_hoccl._src.ops import common
 
 
 def split(mesh, axes, op):
@@ -71,12 +70,8 @@ def lowering_for(op: str, ctx, x, **params):
         "nodes is not supported; use mesh axes whose groups stay inside a node.")
   local, cross, sizes = split(mesh, tuple(params.pop("axes")), op)
   fn = _ACROSS[op]
-  # Traced for x typed varying over the axes it is unreduced or reduced over (the same
-  # bytes): the compositions' reshapes and transposes may have no unreduced rules.
-  plain = [common.as_varying(ctx.avals_in[0], ())]
-  return ji.lower_with_avals(
-      ctx, plain, ji.lower_fun(fn, multiple_results=False), x, axes=tuple(a for a in sizes),
-      local=local, cross=cross, sizes=tuple(sizes.items()), mesh_order=tuple(mesh.axis_names),
-      **params)
+  return ji.lower_fun(fn, multiple_results=False)(
+      ctx, x, axes=tuple(a for a in sizes), local=local, cross=cross,
+      sizes=tuple(sizes.items()), mesh_order=tuple(mesh.axis_names), **params)
 
 

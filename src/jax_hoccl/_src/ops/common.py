@@ -153,8 +153,8 @@ def as_varying(aval, axes):
   """`aval` typed varying over `axes` and over every axis it is unreduced or reduced over:
   the type the implementation of a collective is traced for at lowering (its bytes are the
   same; only jax's checks see types). Not only `axes`: an input unreduced over other axes
-  too (the cotangent of an FSDP gather) would stop the implementation's dynamic_slice and
-  select, which have no unreduced rule."""
+  too (the cotangent of an FSDP gather) would stop the implementation's dynamic_slice,
+  which has no unreduced rule."""
   return ji.with_type(aval, aval.shape,
                       ji.varying_axes(aval) | set(axes) | ji.unreduced_axes(aval) |
                       ji.reduced_axes(aval), unreduced=(), reduced=())
