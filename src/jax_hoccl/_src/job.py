@@ -92,9 +92,10 @@ def _never_joined(client, op, me, n, timeout) -> str:
   missing = [i for i in range(n) if str(i) not in joined]
   who = (f"process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
          if missing else "a process")
+  their = "their" if len(missing) > 1 else "its"
   return (f"jax_hoccl {op}: process {me} of {n} timed out after {timeout:g} s "
-          f"(JAX_HOCCL_TIMEOUT_S) waiting for {who} to reach "
-          f"{'their' if len(missing) > 1 else 'its'} first jax_hoccl call across processes; every process must call the same collectives in the same order. A "
-          "process still compiling another program on GPU can be held there by XLA's sharded "
-          "autotuning, which waits for every process: --xla_gpu_shard_autotuning=false ends "
-          "that wait.")
+          f"(JAX_HOCCL_TIMEOUT_S) waiting for {who} to reach {their} first jax_hoccl call "
+          "across processes; every process must call the same collectives in the same order. "
+          "A process still compiling another program on GPU can be held there by XLA's "
+          "sharded autotuning, which waits for every process: --xla_gpu_shard_autotuning=false "
+          "ends that wait.")
