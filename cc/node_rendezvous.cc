@@ -263,6 +263,8 @@ std::string NodeRendezvous::Describe(int rank) const {
          (pid ? ", pid " + std::to_string(pid) : std::string()) + ")";
 }
 
+constexpr char kInNoCall[] = " (in no jax_hoccl call)";
+
 // What `peer` has published and its peers have not all taken yet: the calls it is in.
 std::string NodeRendezvous::PublishedBy(int peer) const {
   std::string calls;
@@ -276,7 +278,7 @@ std::string NodeRendezvous::PublishedBy(int peer) const {
     if (e.version.load(std::memory_order_acquire) == v)
       calls += (calls.empty() ? "" : ", ") + std::string(seen);
   }
-  return calls.empty() ? " (in no jax_hoccl call)" : " (which is in " + calls + ")";
+  return calls.empty() ? std::string(kInNoCall) : " (which is in " + calls + ")";
 }
 
 std::string NodeRendezvous::Fail(const std::string& msg) {
@@ -322,8 +324,19 @@ std::string NodeRendezvous::WaitFor(int rank, const std::vector<int>& peers, con
     } else {
       msg += "timed out after " + std::to_string(static_cast<int>(TimeoutSeconds())) +
              " s (JAX_HOCCL_TIMEOUT_S) waiting for " + waiting_for + " from peer(s):";
-      for (int p : peers) msg += " " + Describe(p) + PublishedBy(p) + ";";
+      bool idle = false;
+      for (int p : peers) {
+        const std::string calls = PublishedBy(p);
+        idle = idle || calls == kInNoCall;
+        msg += " " + Describe(p) + calls + ";";
+      }
       msg += " every process must call the same collectives in the same order.";
+      // A peer outside jax_hoccl may be stuck in XLA's compile, which jax_hoccl cannot see.
+      if (idle)
+        msg +=
+            " A peer in no jax_hoccl call may be waiting in XLA's compile of another "
+            "program: on GPU, sharded autotuning waits for every process "
+            "(--xla_gpu_shard_autotuning=false ends that wait).";
     }
     return Fail(msg + " This group is now unusable; restart the job.");
   }

@@ -296,6 +296,55 @@ def test_fused_grad_matches_lax(case, mesh_id, check_vma):
   assert n_checked == (1 if case.startswith("embedding_all_to_all") else len(ours))
 
 
+FSDP_MESH = jax.make_mesh((2, 4), ("dp", "tp"), devices=CPUS[:8],
+                          axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+_REDUCED_W = {  # (ours, lax's) of a, w, ids (locals); w is reduced over dp
+    "all_gather_matmul": (lambda a, w, i: hc.all_gather_matmul(a, w, "tp"),
+                          lambda a, w, i: jax.lax.all_gather(a, "tp", tiled=True) @ w),
+    "matmul_reduce_scatter": (
+        lambda a, w, i: hc.matmul_reduce_scatter(a, w, "tp"),
+        lambda a, w, i: jax.lax.psum_scatter(a @ w, "tp", tiled=True)),
+    "matmul_psum": (
+        lambda a, w, i: jax.lax.pcast(hc.matmul_psum(a, w, "tp"), "tp", to="varying"),
+        lambda a, w, i: jax.lax.pcast(jax.lax.psum(a @ w, "tp"), "tp", to="varying")),
+    "matmul_all_to_all": (
+        lambda a, w, i: hc.matmul_all_to_all(a.reshape(4, 1, 8), w, "tp"),
+        lambda a, w, i: jax.lax.all_to_all(a.reshape(4, 1, 8) @ w, "tp", 0, 0, tiled=True)),
+    "embedding_all_to_all": (
+        lambda a, w, i: hc.embedding_all_to_all(w, i, "tp"),
+        lambda a, w, i: jax.lax.all_to_all(jnp.take(w, i, axis=0).sum(-2), "tp", 0, 0,
+                                           tiled=True)),
+}
+
+
+@pytest.mark.parametrize("op", list(_REDUCED_W))
+def test_fused_grad_of_a_weight_reduced_over_dp(op):
+  """FSDP: w reduced over dp (pcast to="reduced"). The backward pass must leave w's
+  cotangent unreduced over dp, where the pcast's transpose sums it; a cotangent summed or
+  left varying there is a type error of the custom_vjp."""
+  mesh = FSDP_MESH
+  rng = np.random.default_rng(zlib.crc32(op.encode()))
+  a = put(mesh, rand(rng, (32, 8)), P(("dp", "tp")))  # local [4, 8]
+  w = put(mesh, rand(rng, (8, 8)), P(None, "tp"))  # local [8, 2]
+  ids = put(mesh, jnp.asarray(rng.integers(0, 8, (32, 1, 2)), jnp.int32), P(("dp", "tp")))
+
+  def grad_of(fn):
+    def body(a, w, i):
+      def loss(w):
+        h = fn(a, jax.lax.pcast(w, "dp", to="reduced"), i)
+        return jax.lax.psum(jnp.sum(jnp.tanh(h)), ("dp", "tp"))
+      return jax.grad(loss)(w)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(("dp", "tp")), P(None, "tp"),
+                                                    P(("dp", "tp"))), out_specs=P(None, "tp"))
+
+  ours, lax = _REDUCED_W[op]
+  with jax.set_mesh(mesh):
+    g_ours = compile_sequential(grad_of(ours), a, w, ids)(a, w, ids)
+    g_lax = compile_sequential(grad_of(lax), a, w, ids)(a, w, ids)
+  assert_close(g_ours, g_lax, jnp.float32, name=op)
+  assert float(np.abs(to_np(g_lax)).max()) > 0
+
+
 # ------------------------------------------------------------------------------------------
 # Errors
 # ------------------------------------------------------------------------------------------

@@ -116,6 +116,22 @@ HIERARCHICAL_WORKER = textwrap.dedent("""
               err = max(float(np.abs(g - r).max()) for g, r in zip(g1, g2))
               assert err < 1e-5, (name, axes, "grad", err)
             print("OK", name, axes, flush=True)
+    # FSDP: a weight reduced over one axis, gathered over the other. Its cotangent is
+    # unreduced over the first through the gather's transpose (inside and across nodes).
+    w_all = np.random.default_rng(7).standard_normal((5, 4)).astype(np.float32)  # same everywhere
+    for red, gat in (("local", "node"), ("node", "local")):
+        w = jax.device_put(w_all, NamedSharding(mesh, P(None, gat)))
+        def fsdp(m, v, w):
+            def loss(w):
+                wg = m.all_gather(jax.lax.pcast(w, red, to="reduced"), gat, axis=1, tiled=True)
+                return jax.lax.psum(jnp.sum(jnp.tanh(v @ wg)), ("node", "local"))
+            return jax.grad(loss)(w)
+        got, ref = ([np.asarray(s.data) for s in jax.jit(jax.shard_map(
+            lambda v, w, m=m: fsdp(m, v, w), mesh=mesh, in_specs=(spec, P(None, gat)),
+            out_specs=P(None, gat)))(x, w).addressable_shards] for m in (jax_hoccl, jax.lax))
+        assert max(float(np.abs(g - r).max()) for g, r in zip(got, ref)) < 1e-5, (red, gat)
+        assert max(float(np.abs(r).max()) for r in ref) > 0
+        print("OK fsdp", red, gat, flush=True)
     # Invariant gather over every device: the same everywhere.
     got, ref = (run(lambda v: m.all_gather(v, ("node", "local"), tiled=True, to="invarying"),
                     out_specs=P()) for m in (jax_hoccl, jax.lax))
@@ -322,6 +338,52 @@ def test_peer_that_never_calls_times_out_naming_the_op(tmp_path):
   assert "ERROR after" in out, out[-2000:]
   assert "jax_hoccl psum" in out and "timed out after 5 s" in out, out[-2000:]
   assert "from peer(s): rank 1 (device " in out and ", process 1, pid" in out, out[-2000:]
+  assert "(in no jax_hoccl call)" in out and "--xla_gpu_shard_autotuning=false" in out
+  assert not shared_memory_left()
+
+
+FIRST_CALL_WORKER = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    import jax
+    from jax._src import distributed
+    me, n = int(sys.argv[2]), int(sys.argv[3])
+    jax.distributed.initialize(sys.argv[1], num_processes=n, process_id=me)
+    client = distributed.global_state.client
+    jax.devices()  # every process joins the backend's start
+    if me == 1:  # never reaches jax_hoccl; stays alive until its peer has failed
+        client.blocking_key_value_get("test/peer_failed", 120_000)
+        os._exit(0)
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jax_hoccl
+    mesh = jax.make_mesh((n,), ("tp",))
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("tp")), np.ones(4, np.float32))
+    op = {"psum_scatter": lambda v: jax_hoccl.psum_scatter(v, "tp", tiled=True),
+          "ppermute": lambda v: jax_hoccl.ppermute(v, "tp", [(0, 1), (1, 0)])}[os.environ["OP"]]
+    f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+    try:
+        f(x).block_until_ready()
+    except Exception as e:
+        print("ERROR", type(e).__name__ + ":", str(e).replace(chr(10), " "), flush=True)
+    else:
+        print("NO ERROR", flush=True)
+    client.key_value_set("test/peer_failed", "1")
+    os._exit(0)  # skip jax.distributed's shutdown barrier
+""")
+
+
+@pytest.mark.parametrize("op", ["psum_scatter", "ppermute"])
+def test_first_call_names_the_process_that_never_joined(tmp_path, op):
+  """A process that never reaches jax_hoccl: its peer's first call across processes fails
+  with jax_hoccl's error (the op called, this process, the missing one), not with
+  jax.distributed's DEADLINE_EXCEEDED for a key of jax_hoccl's."""
+  out = _run_two_processes(tmp_path, FIRST_CALL_WORKER, timeout=120,
+                           env={"OP": op, "JAX_HOCCL_TIMEOUT_S": "3"})[0]
+  assert "ERROR RuntimeError:" in out, out[-2000:]
+  assert f"jax_hoccl {op}: process 0 of 2 timed out after 3 s" in out, out[-2000:]
+  assert "waiting for process 1 to reach its first jax_hoccl call" in out, out[-2000:]
+  assert "DEADLINE_EXCEEDED" not in out and "--xla_gpu_shard_autotuning=false" in out
   assert not shared_memory_left()
 
 

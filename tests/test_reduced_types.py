@@ -7,10 +7,12 @@ program must lower to jax_hoccl's custom calls and none of XLA's collectives.
 import numpy as np
 import pytest
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, UnreducedKind
 
 import jax_hoccl as hc
+from jax_hoccl._src import jax_internals as ji
 from conftest import CPUS, NDEV, assert_lowers_to_ours, assert_same, assert_sum_matches, rand
 
 MESH = jax.make_mesh((2, 4), ("x", "y"), devices=CPUS[:NDEV],
@@ -207,3 +209,131 @@ def test_reduced_needs_types():
     _trace(lambda a: hc.all_gather(a, "y", to="reduced"), check_vma=False)
   with pytest.raises(NotImplementedError, match="all_gather_start: to='reduced'"):
     _trace(lambda a: hc.all_gather_start(a, "y", to="reduced"))
+
+
+# FSDP: a weight reduced over a data axis, gathered over another axis. Its cotangent is
+# unreduced over the data axis all the way back; the pcast's transpose (jax.lax's
+# unreduced_psum) sums it, so these programs hold one XLA collective, in both runs.
+FSDP_MESH = jax.make_mesh((4, 2), ("data", "seq"), devices=CPUS[:NDEV],
+                          axis_types=(AxisType.Explicit, AxisType.Explicit))
+
+
+def _fsdp_gather_grad(lib, form):
+  mesh = FSDP_MESH
+
+  @jax.shard_map(mesh=mesh, in_specs=P("seq", None), out_specs=P("seq", None, reduced={"data"}))
+  def to_reduced(a):
+    return jax.lax.pcast(a, axis_name="data", to="reduced")
+
+  def gathered(a):
+    return lib.all_gather(a, axis_name="seq", tiled=True, to="reduced")
+
+  if form == "custom_vjp":  # the user's own rule: the gather's cotangent reduce-scattered
+    gathered = jax.custom_vjp(gathered)
+    gathered.defvjp(lambda a: (gathered(a), None),
+                    lambda _, ct: (lib.psum_scatter(ct, "seq", scatter_dimension=0,
+                                                    tiled=True),))
+
+  gather = jax.shard_map(gathered, mesh=mesh, in_specs=P("seq", None, reduced={"data"}),
+                         out_specs=P(None, None, reduced={"seq", "data"}))
+  f = lambda x, w: jnp.einsum("btd,df->btf", x, gather(to_reduced(w)))  # noqa: E731
+  return jax.jit(jax.grad(lambda x, w: jnp.sin(f(x, w)).sum(), argnums=(0, 1)))
+
+
+def _eqn_names(jaxpr, out):
+  for e in jaxpr.eqns:
+    out.append((e.primitive.name, e.params))
+    for sub in jax.extend.core.jaxprs_in_params(e.params):
+      _eqn_names(sub, out)
+  return out
+
+
+@pytest.mark.parametrize("form", ["plain", "custom_vjp"])
+def test_fsdp_gather_gradient_equals_lax(form):
+  rng = np.random.default_rng(8)
+  mesh = FSDP_MESH
+  x = jax.device_put(rand(rng, (8, 4, 2), np.float32), NamedSharding(mesh, P("data", "seq", None)))
+  w = jax.device_put(rand(rng, (2, 6), np.float32), NamedSharding(mesh, P("seq", None)))
+  with jax.set_mesh(mesh):
+    want = _fsdp_gather_grad(jax.lax, form)(x, w)
+    f = _fsdp_gather_grad(hc, form)
+    got = f(x, w)
+    eqns = _eqn_names(f.trace(x, w).jaxpr.jaxpr, [])
+  for g, r, name in zip(got, want, ("dx", "dw")):
+    assert g.sharding.spec == r.sharding.spec, (name, g.sharding.spec, r.sharding.spec)
+    assert_same(g, r, exact=False, name=name)
+    assert float(np.abs(np.asarray(r)).max()) > 0
+  # The gradient of w: our reduce-scatter of the unreduced cotangent, then the unreduced psum.
+  names = [n for n, _ in eqns]
+  assert any(n == "hoccl_reduce_scatter" and p["unreduced"] for n, p in eqns), names
+  assert "unreduced_psum" in names, names
+  assert "hoccl_all_gather" in names, names
+
+
+def _reduced_weight_ops():
+  perm = [(i, (i + 1) % 4) for i in range(4)]
+  varying = lambda v: jax.lax.pcast(v, "y", to="varying")  # noqa: E731
+  return {
+      "all_gather": lambda lib, v: lib.all_gather(v, "y", axis=1, tiled=True),
+      "all_gather_untiled": lambda lib, v: jnp.moveaxis(lib.all_gather(v, "y"), 0, 1).reshape(
+          v.shape[0], -1),
+      "all_gather_reduced": lambda lib, v: varying(
+          lib.all_gather(v, "y", axis=1, tiled=True, to="reduced")),
+      "psum": lambda lib, v: jnp.tile(varying(lib.psum(v, "y")), (1, 4)),
+      "psum_scatter": lambda lib, v: jnp.tile(lib.psum_scatter(v, "y", tiled=True), (4, 4)),
+      "all_to_all": lambda lib, v: jnp.tile(
+          lib.all_to_all(v, "y", 0, 1, tiled=True).reshape(v.shape[0], -1), (1, 4)),
+      "ppermute": lambda lib, v: jnp.tile(lib.ppermute(v, "y", perm), (1, 4)),
+  }
+
+
+@pytest.mark.parametrize("op", list(_reduced_weight_ops()))
+def test_gradient_of_a_weight_reduced_over_another_axis(op):
+  """The op over "y" of a weight reduced over "x": its transpose gets a cotangent unreduced
+  over "x", which it must leave unreduced (jax.lax's pcast transpose sums it)."""
+  fn = _reduced_weight_ops()[op]
+  rng = np.random.default_rng(9)
+  a = put(rand(rng, (16, 8), np.float32))
+  w = put(rand(rng, (8, 8), np.float32), P(None, "y"))
+
+  def run(lib):
+    def body(a, w):
+      def loss(w):
+        h = a @ fn(lib, jax.lax.pcast(w, "x", to="reduced"))
+        return jax.lax.psum(jnp.sum(jnp.tanh(h)), ("x", "y"))
+      return jax.grad(loss)(w)
+    f = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(ALL, P(None, "y")),
+                              out_specs=P(None, "y")))
+    with jax.set_mesh(MESH):
+      return f(a, w)
+
+  ours, ref = run(hc), run(jax.lax)
+  assert_same(ours, ref, exact=False)
+  assert float(np.abs(np.asarray(ref)).max()) > 0
+
+
+@pytest.mark.parametrize("op", ["psum", "psum_scatter", "all_gather", "all_to_all", "ppermute"])
+def test_input_unreduced_over_another_axis(op):
+  """The op over "y" of a value unreduced over "x" keeps it unreduced over "x"; summed over
+  "x" afterwards it equals jax.lax's."""
+  fn = {"psum": lambda lib, u: lib.psum(u, "y"),
+        "psum_scatter": lambda lib, u: lib.psum_scatter(u, "y", tiled=True),
+        "all_gather": lambda lib, u: lib.all_gather(u, "y", tiled=True),
+        "all_to_all": lambda lib, u: lib.all_to_all(u, "y", 0, 0, tiled=True),
+        "ppermute": lambda lib, u: lib.ppermute(u, "y", [(i, (i + 1) % 4) for i in range(4)]),
+        }[op]
+  x = put(rand(np.random.default_rng(10), (32, 8), np.float32))
+
+  def body(lib, a):
+    r = fn(lib, unreduced(a, "x"))
+    assert "x" in ji.unreduced_axes(jax.typeof(r))
+    r = jax.lax.psum(r, "x")
+    return r if "y" in ji.varying_axes(jax.typeof(r)) else jax.lax.pcast(r, "y", to="varying")
+
+  results = {}
+  for name, lib in (("lax", jax.lax), ("ours", hc)):
+    f = jax.jit(jax.shard_map(lambda a, lib=lib: body(lib, a), mesh=MESH, in_specs=ALL,
+                              out_specs=P("y")))
+    with jax.set_mesh(MESH):
+      results[name] = f(x)
+  assert_same(results["ours"], results["lax"], exact=False)

@@ -221,20 +221,27 @@ def spans_processes(mesh, axes) -> bool:
   return _spans(mesh, axes, lambda d: d.process_index)
 
 
-def spans_nodes(mesh, axes) -> bool:
+def calling_op(op: str) -> str:
+  """The op the user called: the innermost user_op being lowered, else `op` itself."""
+  return _user_ops[-1] if _user_ops else op
+
+
+def spans_nodes(mesh, axes, op: str = "collective") -> bool:
   """Whether some group along `axes` holds devices of more than one node (job.py). Groups
   inside a node run on jax_hoccl's engines, one process or several; groups across nodes are
-  composed with XLA's collectives (ops/across_processes.py)."""
+  composed with XLA's collectives (ops/across_processes.py). `op`: the mover or op asking,
+  named in job.py's errors."""
   if not spans_processes(mesh, axes):
     return False
-  return _spans(mesh, axes, job.node_of_device)
+  name = calling_op(op)
+  return _spans(mesh, axes, lambda d: job.node_of_device(d, name))
 
 
 def check_single_node(mesh, axes, op: str) -> None:
   """An FFI call's group must live in one node: its ranks meet in an in-process rendezvous or
   in shared memory of the node (cc/node_rendezvous.h). The collectives compose across nodes
   before they get here (ops/across_processes.py); async pairs and fused ops cannot."""
-  if spans_nodes(mesh, axes):
+  if spans_nodes(mesh, axes, op):
     raise NotImplementedError(
         f"jax_hoccl.{op}: the group over {axes} spans several nodes; async pairs and fused "
         "ops run among the devices of one node only (psum, all_gather, psum_scatter, "
@@ -246,6 +253,6 @@ def ffi_group_attrs(ctx, axes, op: str, site: int, groups=None) -> dict:
   mesh = ji.concrete_mesh_from_lowering(ctx, op)
   check_single_node(mesh, axes, op)
   if spans_processes(mesh, axes):
-    job.nodes()  # the C++ engines learn the job before the first call
+    job.nodes(calling_op(op))  # the C++ engines learn the job before the first call
   table = group_table(mesh, axes, groups)
   return dict(groups=table.reshape(-1), group_size=np.int64(table.shape[1]), site=np.int64(site))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import time
 
 import numpy as np
 import jax
@@ -42,8 +43,9 @@ def timeout_s() -> float:
   return float(os.environ.get("JAX_HOCCL_TIMEOUT_S") or 300.0)
 
 
-def nodes() -> list[str]:
-  """The node of every process, after telling the C++ engines about the job (once)."""
+def nodes(op: str = "collective") -> list[str]:
+  """The node of every process, after telling the C++ engines about the job (once). `op`:
+  the call that needs it, named in the error when a process never comes."""
   global _nodes, _gpus_shared
   if _nodes is not None:
     return _nodes
@@ -53,13 +55,24 @@ def nodes() -> list[str]:
     _nodes = [node_name()] * n
     _gpus_shared = False  # one process: each of its devices is its own GPU
     return _nodes
-  wait_ms = int(timeout_s() * 1000)
+  timeout = timeout_s()
+  deadline = time.monotonic() + timeout
   if me == 0:
     client.key_value_set(_PREFIX + "secret", secrets.token_hex(16))
   client.key_value_set(_PREFIX + f"process/{me}", f"{os.getpid()} {_local_gpus()} {node_name()}")
-  secret = client.blocking_key_value_get(_PREFIX + "secret", wait_ms)
-  procs = [client.blocking_key_value_get(_PREFIX + f"process/{i}", wait_ms).split(" ", 2)
-           for i in range(n)]
+
+  def get(key):
+    # One deadline for all the keys: a missing process costs the timeout once.
+    wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+    try:
+      return client.blocking_key_value_get(_PREFIX + key, wait_ms)
+    except Exception as e:  # jax.distributed's DEADLINE_EXCEEDED (its error type is private)
+      if "DEADLINE_EXCEEDED" not in str(e):
+        raise
+      raise RuntimeError(_never_joined(client, op, me, n, timeout)) from None
+
+  secret = get("secret")
+  procs = [get(f"process/{i}").split(" ", 2) for i in range(n)]
   found = [node for _, _, node in procs]
   pids = [int(pid) if found[i] == found[me] else 0 for i, (pid, _, _) in enumerate(procs)]
   gpus = [(node, bus) for _, buses, node in procs for bus in buses.split(",") if bus != "-"]
@@ -91,5 +104,20 @@ def gpus_shared() -> bool:
   return bool(_gpus_shared)
 
 
-def node_of_device(device) -> str:
-  return nodes()[device.process_index]
+def node_of_device(device, op: str = "collective") -> str:
+  return nodes(op)[device.process_index]
+
+
+def _never_joined(client, op, me, n, timeout) -> str:
+  """The error when a process never published itself: which processes those are."""
+  joined = {key.rsplit("/", 1)[-1] for key, _ in client.key_value_dir_get(_PREFIX + "process/")}
+  missing = [i for i in range(n) if str(i) not in joined]
+  who = (f"process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+         if missing else "a process")
+  their = "their" if len(missing) > 1 else "its"
+  return (f"jax_hoccl {op}: process {me} of {n} timed out after {timeout:g} s "
+          f"(JAX_HOCCL_TIMEOUT_S) waiting for {who} to reach {their} first jax_hoccl call "
+          "across processes; every process must call the same collectives in the same order. "
+          "A process still compiling another program on GPU can be held there by XLA's "
+          "sharded autotuning, which waits for every process: --xla_gpu_shard_autotuning=false "
+          "ends that wait.")

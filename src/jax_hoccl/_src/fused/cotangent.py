@@ -10,10 +10,16 @@ from jax_hoccl._src.ops.psum import psum
 def cotangent_like(ct, primal):
   """A custom_vjp backward must return cotangents typed like the primals. Where a primal was
   invariant over an axis but its cotangent came out varying (a replicated weight used by
-  every rank), the true cotangent is the sum over that axis."""
+  every rank), the true cotangent is the sum over that axis. Where the primal was reduced
+  over it (an FSDP weight, pcast to="reduced"), the cotangent is that sum not yet taken:
+  typed unreduced, as jax.lax's transposes leave it (the pcast's transpose then sums it)."""
   if not ji.check_vma_enabled():
     return ct
-  extra = tuple(ji.varying_axes(jax.typeof(ct)) - ji.varying_axes(jax.typeof(primal)))
-  if not extra:
-    return ct
-  return psum(ct, extra)
+  p = jax.typeof(primal)
+  # sorted: every process must trace the same psum (a frozenset's order may differ)
+  extra = sorted(ji.varying_axes(jax.typeof(ct)) - ji.varying_axes(p), key=str)
+  pending = tuple(a for a in extra if a in ji.reduced_axes(p))
+  if pending:
+    ct = jax.lax.pcast(ct, pending, to="unreduced")
+  summed = tuple(a for a in extra if a not in ji.reduced_axes(p))
+  return psum(ct, summed) if summed else ct

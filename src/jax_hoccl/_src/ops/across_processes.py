@@ -24,11 +24,11 @@ from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 
 
-def split(mesh, axes):
+def split(mesh, axes, op):
   """(local axes, cross axes, {axis: size}); local is () when only XLA can do the op."""
-  cross = tuple(a for a in axes if axes_lib.spans_nodes(mesh, (a,)))
+  cross = tuple(a for a in axes if axes_lib.spans_nodes(mesh, (a,), op))
   local = tuple(a for a in axes if a not in cross)
-  if local and axes_lib.spans_nodes(mesh, local):
+  if local and axes_lib.spans_nodes(mesh, local, op):
     local, cross = (), tuple(axes)
   return local, cross, {a: int(mesh.shape[a]) for a in axes}
 
@@ -62,13 +62,13 @@ def lowering_for(op: str, ctx, x, **params):
   else None."""
   mesh = ji.concrete_mesh_from_lowering(ctx, op)
   groups = params.pop("groups", None)
-  if not axes_lib.spans_nodes(mesh, params["axes"]):
+  if not axes_lib.spans_nodes(mesh, params["axes"], op):
     return None
   if groups is not None:
     raise NotImplementedError(
         f"jax_hoccl.{op}: axis_index_groups over axes {params['axes']} whose groups span "
         "nodes is not supported; use mesh axes whose groups stay inside a node.")
-  local, cross, sizes = split(mesh, tuple(params.pop("axes")))
+  local, cross, sizes = split(mesh, tuple(params.pop("axes")), op)
   fn = _ACROSS[op]
   return ji.lower_fun(fn, multiple_results=False)(
       ctx, x, axes=tuple(a for a in sizes), local=local, cross=cross,

@@ -143,13 +143,21 @@ def unreduced_result_type(x, axes, op: str, kind: str, shape=None):
                       unreduced=ji.unreduced_axes(x) - set(axes))
 
 
+def typed_as_not_varying(aval) -> bool:
+  """Whether `aval` is unreduced or reduced over some axis: a lowering traces its
+  implementation for as_varying(aval) instead."""
+  return bool(ji.unreduced_axes(aval) or ji.reduced_axes(aval))
+
+
 def as_varying(aval, axes):
-  """`aval` typed varying over `axes` instead of unreduced or reduced: the type the
-  implementation of an unreduced collective is traced for at lowering (its bytes are the
-  same; only jax's checks see types)."""
-  return ji.with_type(aval, aval.shape, ji.varying_axes(aval) | set(axes),
-                      unreduced=ji.unreduced_axes(aval) - set(axes),
-                      reduced=ji.reduced_axes(aval) - set(axes))
+  """`aval` typed varying over `axes` and over every axis it is unreduced or reduced over:
+  the type the implementation of a collective is traced for at lowering (its bytes are the
+  same; only jax's checks see types). Not only `axes`: an input unreduced over other axes
+  too (the cotangent of an FSDP gather) would stop the implementation's dynamic_slice,
+  which has no unreduced rule."""
+  return ji.with_type(aval, aval.shape,
+                      ji.varying_axes(aval) | set(axes) | ji.unreduced_axes(aval) |
+                      ji.reduced_axes(aval), unreduced=(), reduced=())
 
 
 def ensure_varying(x, axes, op: str):

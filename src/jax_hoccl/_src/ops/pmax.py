@@ -43,7 +43,9 @@ def _impl(x, *, axes, axis_size, op, unreduced, site, groups):
 
 
 def _lowering(ctx, x, *, axes, axis_size, op, unreduced, site, groups):
-  if unreduced:  # reduced by the code for a varying input (the same bytes)
+  # An unreduced input, or one unreduced or reduced over other axes (a cotangent): reduced by
+  # the code for a varying input (the same bytes).
+  if unreduced or common.typed_as_not_varying(ctx.avals_in[0]):
     return ji.lower_with_avals(ctx, [common.as_varying(ctx.avals_in[0], axes)], _lowering, x,
                                axes=axes, axis_size=axis_size, op=op, unreduced=False,
                                site=site, groups=groups)
