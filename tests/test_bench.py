@@ -69,3 +69,4 @@ def test_per_call_rows_set_each_collective_beside_the_program_without_it(tmp_pat
       ("psum", 4096, 2, False), ("ppermute", 4096, 2, False)]
   assert all(r["us_per_call"] > 0 and r["baseline_us_per_call"] > 0 for r in rows), rows
   assert rows[0]["baseline_us_per_call"] == rows[1]["baseline_us_per_call"]  # one baseline
+  assert isinstance(result["host_profile"], list)  # (phases are counted by the CUDA engine)

@@ -11,7 +11,8 @@ cost does not). Without a GPU, 2 processes of one CPU device each.
     python -m jax_hoccl.bench --processes [--out DIR]
 
 Rows: {"op", "bytes_per_rank", "ranks", "mps", "us_per_call", "baseline_us_per_call"}, the
-slowest rank's.
+slowest rank's; and "host_profile": the same calls' host time inside jax_hoccl's handlers by
+phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks).
 """
 from __future__ import annotations
 
@@ -60,10 +61,20 @@ WORKER = textwrap.dedent("""
                 y = f(y)
             y.block_until_ready()
             rounds.append((time.perf_counter() - t0) / 200 * 1e6)
-        return sorted(rounds)[2]
+        return sorted(rounds)[2]  # (1 + 5 x 200 calls)
 
     rows = []
     for nbytes in json.loads(os.environ["BYTES"]):
+        if os.environ.get("JAX_HOCCL_PROFILE"):  # where a call's host time goes, by phase
+            from jax_hoccl import _hoccl
+            for op in json.loads(os.environ["OPS"]):
+                per_call(bodies[op], nbytes)  # compiles and runs it
+                _hoccl.host_profile(True)
+                per_call(bodies[op], nbytes)
+                for phase, calls, ns in _hoccl.host_profile(True):
+                    rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n, phase=phase,
+                                     us_per_call=ns / 1e3 / 1001, calls_per_call=calls / 1001))
+            continue
         base = per_call(bodies["none"], nbytes)
         for op in json.loads(os.environ["OPS"]):
             rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n,
@@ -85,6 +96,8 @@ def _run(n: int, env: dict):
   results = [json.loads(o.split("RESULT")[1].splitlines()[0]) for o in outs if "RESULT" in o]
   if len(results) != n:
     raise RuntimeError("\n".join(o[-2000:] for o in outs))
+  if env.get("JAX_HOCCL_PROFILE"):
+    return results[0]["rows"], results[0]["platform"]  # rank 0's phases
   rows = []
   for per_rank in zip(*(r["rows"] for r in results)):
     row = dict(per_rank[0])
@@ -112,18 +125,25 @@ def run(out_dir: str, commit: str) -> str:
       else:
         env = {**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
       job_rows, plat = _run(n, env)
-    rows += [dict(r, mps=gpu) for r in job_rows]
+      rows += [dict(r, mps=gpu) for r in job_rows]
+      if n == 2:  # the same calls with the handlers' host time counted by phase (64 KiB)
+        profile, _ = _run(n, {**env, "JAX_HOCCL_PROFILE": "1",
+                              "BYTES": json.dumps([64 << 10])})
   import jax
   result = {"what": "time per jit call, back to back, against the same program without the "
                     "collective (median of 5 x 200 calls; jax_hoccl/bench/processes.py)",
             "platform": plat,
             "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
             "jax": jax.__version__, "commit": commit, "date": str(datetime.date.today()),
-            "per_call": rows}
+            "per_call": rows,
+            "host_profile": [dict(r, mps=gpu) for r in profile]}
   print(f"{'op':<11} {'per rank':>9} ranks {'us/call':>9} {'without':>9} {'added':>8}")
   for r in rows:
     print(f"{r['op']:<11} {r['bytes_per_rank']:9d} {r['ranks']:5d} {r['us_per_call']:9.1f} "
           f"{r['baseline_us_per_call']:9.1f} {r['us_per_call'] - r['baseline_us_per_call']:8.1f}")
+  print("host time inside the handlers per call, 64 KiB, 2 ranks (JAX_HOCCL_PROFILE=1):")
+  for r in result["host_profile"]:
+    print(f"  {r['op']:<11} {r['phase']:<28} {r['us_per_call']:8.1f} us")
   os.makedirs(out_dir, exist_ok=True)
   name = os.path.join(out_dir, f"{result['date']}-{'1xH200' if gpu else 'cpu'}-per-call.json")
   with open(name, "w") as f:
