@@ -63,7 +63,10 @@ def _compiled(mesh, body, args, in_specs):
   """A no-argument callable: one timed call (seconds) of body chained ITERS times through
   args[0][0, ...], compiled and warmed up."""
   f = looped(mesh, body, in_specs)
-  args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)]
+  # each process makes its own shards (device_put of a host array across processes would check
+  # it with a collective of XLA's, which refuses ranks sharing a GPU)
+  args = [jax.make_array_from_callback(a.shape, NamedSharding(mesh, s), lambda i, a=a: a[i])
+          for a, s in zip(args, in_specs)]
   jax.block_until_ready(f(*args))
 
   def once():
