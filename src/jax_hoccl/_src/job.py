@@ -97,10 +97,11 @@ def _local_gpus() -> str:
   return ",".join(b for b in buses if b) or "-"
 
 
-def gpus_shared() -> bool:
+def gpus_shared(op: str = "collective") -> bool:
   """Whether two of the job's devices are one physical GPU (several ranks on one GPU, as under
-  MPS): their copies to each other are then kernels that need SMs, not copy engines."""
-  nodes()
+  MPS): their copies to each other are then kernels that need SMs, not copy engines. `op`: the
+  call that asks, named if a process never comes."""
+  nodes(op)
   return bool(_gpus_shared)
 
 

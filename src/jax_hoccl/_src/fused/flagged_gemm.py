@@ -88,10 +88,10 @@ def unsupported_reason(m, k, n, dtype, out_dtype=None, b_dtype=None) -> str | No
   return None
 
 
-def peer_wait_reason() -> str | None:
+def peer_wait_reason(op: str = "flagged GEMM") -> str | None:
   """Why a walk that waits in-kernel for rows copied from peers could stall in this job (None:
-  it cannot)."""
-  if job.gpus_shared():
+  it cannot). `op`: the user's op that asks."""
+  if job.gpus_shared(op):
     return ("ranks share a GPU: the copies between them are kernels that need the SMs the "
             "walk's waiting CTAs hold")
   return None

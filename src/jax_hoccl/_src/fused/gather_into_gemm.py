@@ -57,7 +57,7 @@ def applies(x, w, n) -> bool:
   m, k = x.shape
   return (n > 1 and m % READY_ROWS == 0
           and fg.unsupported_reason(n * m, k, w.shape[1], x.dtype, None, w.dtype) is None
-          and fg.peer_wait_reason() is None)
+          and fg.peer_wait_reason(OP) is None)
 
 
 def walk(n):

@@ -79,12 +79,12 @@ def band_rows(rows: int) -> int | None:
   return None
 
 
-def applies(x, w, n) -> bool:
-  """Whether the flagged GEMM takes the ring for x [M, K] (per rank) @ w."""
+def applies(x, w, n, op) -> bool:
+  """Whether the flagged GEMM takes the ring for x [M, K] (per rank) @ w in the user's `op`."""
   m, k = x.shape
   return (n > 1 and m % n == 0 and band_rows(m // n) is not None
           and fg.unsupported_reason(m, k, w.shape[1], x.dtype, None, w.dtype) is None
-          and fg.peer_wait_reason() is None)
+          and fg.peer_wait_reason(op) is None)
 
 
 SEND, LAST, RECV = 1, 2, 3  # the kernel's operands after x (recv only when n > 2)

@@ -43,7 +43,7 @@ def multiply_and_sum(x, w, axes, n, chunks):
   if chunks == 1 or m % n:
     return _one_shot_psum(x, w, axes)
   x2 = x.reshape(-1, x.shape[-1])
-  if chunks is None and flagged.applies(x2, w, n):  # one flagged GEMM: ring, then gathers
+  if chunks is None and flagged.applies(x2, w, n, "matmul_psum"):  # one flagged GEMM: ring, then gathers
     return flagged.gemm_psum(x2, w, axes, n).reshape(*x.shape[:-1], w.shape[1])
   inner = int(np.prod(x.shape[1:-1], dtype=np.int64))  # rows of x2 per row of x
   row_bytes = inner * w.shape[1] * x.dtype.itemsize

@@ -56,7 +56,7 @@ def multiply_and_scatter(x, w, axes, n, chunks=None):
   if n == 1:
     return x @ w
   x2 = x.reshape(-1, x.shape[-1])
-  if chunks is None and flagged.applies(x2, w, n):  # one flagged GEMM walking the ring
+  if chunks is None and flagged.applies(x2, w, n, "matmul_reduce_scatter"):  # one flagged GEMM walking the ring
     out = flagged.gemm_reduce_scatter(x2, w, axes, n)
     return out.reshape(x.shape[0] // n, *x.shape[1:-1], w.shape[1])
   if runs_on_cublaslt(x.dtype, *w.shape):  # (on CPU too, where its GEMMs are XLA's)
