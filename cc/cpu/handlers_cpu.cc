@@ -74,14 +74,12 @@ ffi::Future Failed(ffi::Error error) {
 // spans processes runs on cpu_cross_process.h, off XLA's threads.
 ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* in, size_t in_bytes,
                    void* out_data, size_t out_bytes, ffi::Span<const int64_t> groups,
-                   int64_t group_size, ffi::Span<const int64_t> permute_dst,
-                   bool peers_only = false, bool at_source_slot = false, bool in_place = false,
-                   bool skip_own = false) {
+                   int64_t group_size, const ExchangeOptions& options) {
   HostTimer timer("cpu handler");  // decode and rendezvous; the copies run at the last arrival
   OpSpec spec;
   std::vector<int64_t> ids;
-  ffi::Error decoded = DecodeOp(op, device, in_bytes, out_bytes, groups, group_size, permute_dst,
-                                peers_only, &spec, &ids, at_source_slot, in_place, skip_own);
+  ffi::Error decoded =
+      DecodeOp(op, device, in_bytes, out_bytes, groups, group_size, options, &spec, &ids);
   if (!decoded.success()) return Failed(std::move(decoded));
   in = InputFor(spec, in, out_data);
   std::string err = ValidateSpec(spec);
@@ -131,7 +129,7 @@ ffi::Future AllGatherStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
   if (out_or.has_error()) return Failed(out_or.error());
   ffi::Result<ffi::AnyBuffer> out = *out_or;
   return RunCpu(OpKind::kAllGather, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(), groups, group_size, {}, peers_only != 0);
+                out->untyped_data(), out->size_bytes(), groups, group_size, PeersOnly(peers_only));
 }
 // all_gather, or a ppermute into the sender's slot, into rows [offset, ...) of a larger
 // buffer: args (x[, dst]), the output aliasing dst when given (cuda/handlers_cuda.cc says more).
@@ -144,10 +142,12 @@ ffi::Future IntoStartCpu(int32_t device, CpuCall* call, ffi::RemainingArgs args,
   ffi::Result<ffi::AnyBuffer> out = *out_or;
   auto into = DecodeInto(args, *out, group_size, offset, in_place);
   if (into.has_error()) return Failed(into.error());
-  const bool permute = permute_dst.size() > 0;
-  return RunCpu(permute ? OpKind::kPermute : OpKind::kAllGather, device, call, into->x,
-                into->x_bytes, into->dst, into->bytes, groups, group_size, permute_dst, false,
-                permute, into->in_place);
+  ExchangeOptions options;
+  options.permute_dst = permute_dst;
+  options.at_source_slot = permute_dst.size() > 0;  // a ppermute lands in the sender's slot
+  options.in_place = into->in_place;
+  return RunCpu(options.at_source_slot ? OpKind::kPermute : OpKind::kAllGather, device, call,
+                into->x, into->x_bytes, into->dst, into->bytes, groups, group_size, options);
 }
 ffi::Future AllToAllStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                              ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
@@ -166,7 +166,7 @@ ffi::Future PermuteStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
   if (out_or.has_error()) return Failed(out_or.error());
   ffi::Result<ffi::AnyBuffer> out = *out_or;
   return RunCpu(OpKind::kPermute, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(), groups, group_size, permute_dst);
+                out->untyped_data(), out->size_bytes(), groups, group_size, PermuteTo(permute_dst));
 }
 ffi::Error DoneCpu(ffi::RemainingArgs, ffi::RemainingRets, int64_t /*site of the start*/) {
   return ffi::Error::Success();
@@ -183,21 +183,19 @@ ffi::Future AllGatherCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                          int64_t group_size, int64_t skip_own, int64_t /*site*/) {
   return RunCpu(OpKind::kAllGather, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(), groups, group_size, {}, false, false, false,
-                skip_own != 0);
+                out->untyped_data(), out->size_bytes(), groups, group_size, SkipOwn(skip_own));
 }
 ffi::Future AllToAllCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                         int64_t group_size, int64_t skip_own, int64_t /*site*/) {
   return RunCpu(OpKind::kAllToAll, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(), groups, group_size, {}, false, false, false,
-                skip_own != 0);
+                out->untyped_data(), out->size_bytes(), groups, group_size, SkipOwn(skip_own));
 }
 ffi::Future PermuteCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                        int64_t group_size, ffi::Span<const int64_t> permute_dst, int64_t /*site*/) {
   return RunCpu(OpKind::kPermute, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(), groups, group_size, permute_dst);
+                out->untyped_data(), out->size_bytes(), groups, group_size, PermuteTo(permute_dst));
 }
 
 }  // namespace

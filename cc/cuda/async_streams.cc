@@ -88,13 +88,12 @@ ffi::Error FinishStart(AsyncState& a, cudaStream_t stream, int64_t site) {
 
 ffi::Error EnqueueExchange(OpKind op, cudaStream_t stream, int lane, int32_t device, const void* in,
                            size_t in_bytes, void* out_data, size_t out_bytes,
-                           ffi::Span<const int64_t> groups, int64_t group_size,
-                           ffi::Span<const int64_t> permute_dst, int64_t site, bool peers_only,
-                           bool at_source_slot, bool in_place, const Announce* announce) {
+                           ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
+                           const ExchangeOptions& options, const Announce* announce) {
   OpSpec spec;
   std::vector<int64_t> ids;
   ffi::Error decoded = DecodeOp(op, GlobalDeviceId(device), in_bytes, out_bytes, groups, group_size,
-                                permute_dst, peers_only, &spec, &ids, at_source_slot, in_place);
+                                options, &spec, &ids);
   if (!decoded.success()) return decoded;
   in = InputFor(spec, in, out_data);
   if (spec.bytes > 0 && OutputBytes(spec) > 0) {
@@ -107,17 +106,15 @@ ffi::Error EnqueueExchange(OpKind op, cudaStream_t stream, int lane, int32_t dev
 
 ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, const void* in,
                      size_t in_bytes, void* out_data, size_t out_bytes,
-                     ffi::Span<const int64_t> groups, int64_t group_size,
-                     ffi::Span<const int64_t> permute_dst, int64_t stream_index, int64_t site,
-                     bool peers_only, bool at_source_slot, bool in_place,
-                     const Announce* announce) {
+                     ffi::Span<const int64_t> groups, int64_t group_size, int64_t stream_index,
+                     int64_t site, const ExchangeOptions& options, const Announce* announce) {
   HostTimer timer("start");
   AsyncState& a = AsyncStateFor(device);
   auto stream = StartStream(a, xla_stream, stream_index);
   if (stream.has_error()) return stream.error();
-  ffi::Error err = EnqueueExchange(op, stream->first, stream->second, device, in, in_bytes,
-                                   out_data, out_bytes, groups, group_size, permute_dst, site,
-                                   peers_only, at_source_slot, in_place, announce);
+  ffi::Error err =
+      EnqueueExchange(op, stream->first, stream->second, device, in, in_bytes, out_data, out_bytes,
+                      groups, group_size, site, options, announce);
   if (!err.success()) return err;
   return FinishStart(a, stream->first, site);
 }

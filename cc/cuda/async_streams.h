@@ -14,6 +14,7 @@
 
 #include "communicator.h"
 #include "cuda/cuda_executor.h"
+#include "ffi/handler_common.h"
 #include "plan.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -62,18 +63,16 @@ ffi::Error FinishStart(AsyncState& a, cudaStream_t stream, int64_t site);
 // One exchange on a start's stream (StartStream).
 ffi::Error EnqueueExchange(OpKind op, cudaStream_t stream, int lane, int32_t device, const void* in,
                            size_t in_bytes, void* out_data, size_t out_bytes,
-                           ffi::Span<const int64_t> groups, int64_t group_size,
-                           ffi::Span<const int64_t> permute_dst, int64_t site, bool peers_only,
-                           bool at_source_slot, bool in_place, const Announce* announce);
+                           ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
+                           const ExchangeOptions& options, const Announce* announce = nullptr);
 
 // in/in_bytes: the input (in_place: ignored, the input is my slot of the output, InputFor);
 // out_data/out_bytes: where the result goes (the whole output, or for the "into" variant the
 // rows [offset, offset + n * x rows) of a larger buffer).
 ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, const void* in,
                      size_t in_bytes, void* out_data, size_t out_bytes,
-                     ffi::Span<const int64_t> groups, int64_t group_size,
-                     ffi::Span<const int64_t> permute_dst, int64_t stream_index, int64_t site,
-                     bool peers_only, bool at_source_slot = false, bool in_place = false,
+                     ffi::Span<const int64_t> groups, int64_t group_size, int64_t stream_index,
+                     int64_t site, const ExchangeOptions& options,
                      const Announce* announce = nullptr);
 
 }  // namespace hoccl

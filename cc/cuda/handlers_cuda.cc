@@ -27,8 +27,7 @@ namespace {
 
 ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffer x,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                   int64_t group_size, ffi::Span<const int64_t> permute_dst, int64_t site,
-                   bool skip_own = false) {
+                   int64_t group_size, int64_t site, const ExchangeOptions& options) {
   HostTimer timer("collective");
   static const bool debug = [] {
     const char* v = std::getenv("JAX_HOCCL_DEBUG");
@@ -44,9 +43,8 @@ ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffe
   }
   OpSpec spec;
   std::vector<int64_t> ids;
-  ffi::Error decoded =
-      DecodeOp(op, GlobalDeviceId(device), x.size_bytes(), out->size_bytes(), groups, group_size,
-               permute_dst, false, &spec, &ids, false, false, skip_own);
+  ffi::Error decoded = DecodeOp(op, GlobalDeviceId(device), x.size_bytes(), out->size_bytes(),
+                                groups, group_size, options, &spec, &ids);
   if (!decoded.success()) return decoded;
   // Every rank sees the same shapes, so all skip together and sequence numbers stay in step.
   if (spec.bytes == 0) return ffi::Error::Success();
@@ -63,19 +61,20 @@ ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffe
 ffi::Error AllGatherCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                          int64_t group_size, int64_t skip_own, int64_t site) {
-  return RunCuda(OpKind::kAllGather, stream, device, x, out, groups, group_size, {}, site,
-                 skip_own != 0);
+  return RunCuda(OpKind::kAllGather, stream, device, x, out, groups, group_size, site,
+                 SkipOwn(skip_own));
 }
 ffi::Error AllToAllCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                         int64_t group_size, int64_t skip_own, int64_t site) {
-  return RunCuda(OpKind::kAllToAll, stream, device, x, out, groups, group_size, {}, site,
-                 skip_own != 0);
+  return RunCuda(OpKind::kAllToAll, stream, device, x, out, groups, group_size, site,
+                 SkipOwn(skip_own));
 }
 ffi::Error PermuteCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                        int64_t group_size, ffi::Span<const int64_t> permute_dst, int64_t site) {
-  return RunCuda(OpKind::kPermute, stream, device, x, out, groups, group_size, permute_dst, site);
+  return RunCuda(OpKind::kPermute, stream, device, x, out, groups, group_size, site,
+                 PermuteTo(permute_dst));
 }
 
 // ---- async pairs: each start runs its exchange on an async stream (cuda/async_streams.h).
@@ -87,8 +86,8 @@ ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   if (out_or.has_error()) return out_or.error();
   ffi::Result<ffi::AnyBuffer> out = *out_or;
   return StartCuda(OpKind::kAllGather, stream, device, x.untyped_data(), x.size_bytes(),
-                   out->untyped_data(), out->size_bytes(), groups, group_size, {}, stream_index,
-                   site, peers_only != 0);
+                   out->untyped_data(), out->size_bytes(), groups, group_size, stream_index, site,
+                   PeersOnly(peers_only));
 }
 // all_gather (permute_dst empty), or a ppermute into the sender's slot, into rows of a larger
 // buffer: args (x[, dst]); when dst is given the output aliases it (set in the lowering),
@@ -102,10 +101,12 @@ ffi::Error IntoStartCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs
   ffi::Result<ffi::AnyBuffer> out = *out_or;
   auto into = DecodeInto(args, *out, group_size, offset, in_place);
   if (into.has_error()) return into.error();
-  const bool permute = permute_dst.size() > 0;
-  return StartCuda(permute ? OpKind::kPermute : OpKind::kAllGather, stream, device, into->x,
-                   into->x_bytes, into->dst, into->bytes, groups, group_size, permute_dst,
-                   stream_index, site, false, permute, into->in_place);
+  ExchangeOptions options = PermuteTo(permute_dst);
+  options.at_source_slot = permute_dst.size() > 0;  // a ppermute lands in the sender's slot
+  options.in_place = into->in_place;
+  return StartCuda(options.at_source_slot ? OpKind::kPermute : OpKind::kAllGather, stream, device,
+                   into->x, into->x_bytes, into->dst, into->bytes, groups, group_size, stream_index,
+                   site, options);
 }
 ffi::Error AllToAllStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                              ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
@@ -114,8 +115,8 @@ ffi::Error AllToAllStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   if (out_or.has_error()) return out_or.error();
   ffi::Result<ffi::AnyBuffer> out = *out_or;
   return StartCuda(OpKind::kAllToAll, stream, device, x.untyped_data(), x.size_bytes(),
-                   out->untyped_data(), out->size_bytes(), groups, group_size, {}, stream_index,
-                   site, false);
+                   out->untyped_data(), out->size_bytes(), groups, group_size, stream_index, site,
+                   {});
 }
 ffi::Error PermuteStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                             ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
@@ -125,8 +126,8 @@ ffi::Error PermuteStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   if (out_or.has_error()) return out_or.error();
   ffi::Result<ffi::AnyBuffer> out = *out_or;
   return StartCuda(OpKind::kPermute, stream, device, x.untyped_data(), x.size_bytes(),
-                   out->untyped_data(), out->size_bytes(), groups, group_size, permute_dst,
-                   stream_index, site, false);
+                   out->untyped_data(), out->size_bytes(), groups, group_size, stream_index, site,
+                   PermuteTo(permute_dst));
 }
 
 ffi::Error DoneCuda(cudaStream_t xla_stream, int32_t device, ffi::RemainingArgs, ffi::RemainingRets,

@@ -13,21 +13,44 @@
 
 namespace hoccl {
 
+// An exchange's options beyond its op, group and buffers, passed whole from the handler to
+// the spec (OpSpec in plan.h says what each does).
+struct ExchangeOptions {
+  xla::ffi::Span<const int64_t> permute_dst;  // permute only
+  bool peers_only = false;
+  bool at_source_slot = false;
+  bool in_place = false;
+  bool skip_own = false;
+};
+inline ExchangeOptions PermuteTo(xla::ffi::Span<const int64_t> permute_dst) {
+  ExchangeOptions options;
+  options.permute_dst = permute_dst;
+  return options;
+}
+inline ExchangeOptions PeersOnly(int64_t peers_only) {
+  ExchangeOptions options;
+  options.peers_only = peers_only != 0;
+  return options;
+}
+inline ExchangeOptions SkipOwn(int64_t skip_own) {
+  ExchangeOptions options;
+  options.skip_own = skip_own != 0;
+  return options;
+}
+
 inline xla::ffi::Error DecodeOp(OpKind op, int64_t device, size_t in_bytes, size_t out_bytes,
                                 xla::ffi::Span<const int64_t> groups, int64_t group_size,
-                                xla::ffi::Span<const int64_t> permute_dst, bool peers_only,
-                                OpSpec* spec, std::vector<int64_t>* group_ids,
-                                bool at_source_slot = false, bool in_place = false,
-                                bool skip_own = false) {
+                                const ExchangeOptions& options, OpSpec* spec,
+                                std::vector<int64_t>* group_ids) {
   GroupPosition pos;
   std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
   if (!err.empty())
     return xla::ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) + ": " + err);
-  *spec = OpSpec{op, static_cast<int>(group_size), pos.rank, in_bytes, {}, peers_only};
-  spec->permute_dst.assign(permute_dst.begin(), permute_dst.end());
-  spec->at_source_slot = at_source_slot;
-  spec->in_place = in_place;
-  spec->skip_own = skip_own;
+  *spec = OpSpec{op, static_cast<int>(group_size), pos.rank, in_bytes, {}, options.peers_only};
+  spec->permute_dst.assign(options.permute_dst.begin(), options.permute_dst.end());
+  spec->at_source_slot = options.at_source_slot;
+  spec->in_place = options.in_place;
+  spec->skip_own = options.skip_own;
   if (out_bytes != OutputBytes(*spec))
     return xla::ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) +
                                             ": output size does not match the input");

@@ -11,6 +11,7 @@
 #include "cuda/async_streams.h"
 #include "cuda/cuda_executor.h"
 #include "cuda/driver_api.h"
+#include "ffi/handler_common.h"
 #include "ffi/handlers.h"
 #include "group.h"
 #include "host_profile.h"
@@ -43,8 +44,8 @@ ffi::Error AnnouncedGatherStartCuda(cudaStream_t stream, int32_t device, ffi::An
   Announce announce{static_cast<uint64_t*>(flags->untyped_data()),
                     static_cast<size_t>(announce_bytes)};
   return StartCuda(OpKind::kAllGather, stream, device, x.untyped_data(), x.size_bytes(),
-                   out->untyped_data(), out->size_bytes(), groups, group_size, {}, stream_index,
-                   site, true, false, false, &announce);
+                   out->untyped_data(), out->size_bytes(), groups, group_size, stream_index, site,
+                   PeersOnly(true), &announce);
 }
 
 // The reduce-scatter ring walked by one flagged GEMM (fused/gemm_ring.py): matmul_reduce_scatter,
@@ -130,8 +131,7 @@ ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBu
     char* into = j + 2 < n ? recv_at + j * block_bytes + at : last_at + at;  // on rank r+1
     Announce announce{announced + b, static_cast<size_t>(band_bytes)};
     err = EnqueueExchange(OpKind::kPermute, stream->first, stream->second, device, from, band_bytes,
-                          into, band_bytes, groups, group_size, next, site, false, false, false,
-                          &announce);
+                          into, band_bytes, groups, group_size, site, PermuteTo(next), &announce);
     if (!err.success()) return err;
   }
   if (gather) {
@@ -141,11 +141,10 @@ ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBu
       if (!err.success()) return err;
       for (size_t k = 1; k < n; ++k) {  // my band to rank r + k; rank r - k's into its slot
         const std::vector<int64_t> dst = shift(k);
-        err = EnqueueExchange(OpKind::kPermute, stream->first, stream->second, device,
-                              last_at + b * band_bytes, band_bytes,
-                              out_at + ((r + n - k) % n) * block_bytes + b * band_bytes, band_bytes,
-                              groups, group_size, ffi::Span<const int64_t>(dst.data(), dst.size()),
-                              site, false, false, false, nullptr);
+        err = EnqueueExchange(
+            OpKind::kPermute, stream->first, stream->second, device, last_at + b * band_bytes,
+            band_bytes, out_at + ((r + n - k) % n) * block_bytes + b * band_bytes, band_bytes,
+            groups, group_size, site, PermuteTo(ffi::Span<const int64_t>(dst.data(), dst.size())));
         if (!err.success()) return err;
       }
     }
