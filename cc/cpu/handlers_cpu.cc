@@ -48,8 +48,8 @@ ffi::ErrorOr<std::unique_ptr<CpuCall>> InstantiateCpuCall(ffi::Dictionary attrs)
   static std::map<int64_t, uint64_t> per_site;
   static std::map<int64_t, int64_t> shared_keys;
   auto call = std::make_unique<CpuCall>();
-  auto site = attrs.get<int64_t>("site");
-  call->site = site.has_value() ? *site : 0;
+  auto group = attrs.get<Group>("group");
+  call->site = group.has_value() ? group->site : 0;
   std::lock_guard<std::mutex> lock(mu);
   if (SiteShared(call->site)) {
     auto [it, fresh] = shared_keys.emplace(call->site, 0);
@@ -73,13 +73,12 @@ ffi::Future Failed(ffi::Error error) {
 // in_place: `in` is ignored, the input is my slot of the output (InputFor). A group that
 // spans processes runs on cpu_cross_process.h, off XLA's threads.
 ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* in, size_t in_bytes,
-                   void* out_data, size_t out_bytes, ffi::Span<const int64_t> groups,
-                   int64_t group_size, const ExchangeOptions& options) {
+                   void* out_data, size_t out_bytes, const Group& group,
+                   const ExchangeOptions& options) {
   HostTimer timer("cpu handler");  // decode and rendezvous; the copies run at the last arrival
   OpSpec spec;
   std::vector<int64_t> ids;
-  ffi::Error decoded =
-      DecodeOp(op, device, in_bytes, out_bytes, groups, group_size, options, &spec, &ids);
+  ffi::Error decoded = DecodeOp(op, device, in_bytes, out_bytes, group, options, &spec, &ids);
   if (!decoded.success()) return Failed(std::move(decoded));
   in = InputFor(spec, in, out_data);
   std::string err = ValidateSpec(spec);
@@ -118,169 +117,121 @@ ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* i
   return future;
 }
 
+}  // namespace
+
+// A CPU handler's context: the device and the instruction's state (InstantiateCpuCall).
+static auto CpuContext() {
+  return ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>().Ctx<ffi::State<CpuCall>>();
+}
+template <typename In = ffi::AnyBuffer>
+static auto CpuSync() {
+  return SyncBinding<In>(CpuContext);
+}
+template <typename In = ffi::AnyBuffer>
+static auto CpuStart() {
+  return StartBinding<In>(CpuContext);
+}
+
 // Async pairs on CPU: there are no streams to overlap with, so `start` runs the whole op and
 // `done` has nothing left to wait for. A start's outputs are (out, token[, x]) (StartOutput),
-// and done's outputs alias its inputs (set in the lowering), so neither copies.
-ffi::Future AllGatherStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
-                              ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
-                              int64_t group_size, int64_t peers_only, int64_t /*stream: GPU only*/,
-                              int64_t /*site*/) {
+// and done's outputs alias its inputs (set in the lowering), so neither copies. The async
+// stream is the GPU's only.
+static ffi::Future StartCpu(OpKind op, int32_t device, CpuCall* call, ffi::AnyBuffer x,
+                            ffi::RemainingRets rets, const Group& group,
+                            const ExchangeOptions& options) {
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return Failed(out_or.error());
   ffi::Result<ffi::AnyBuffer> out = *out_or;
-  return RunCpu(OpKind::kAllGather, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(), groups, group_size, PeersOnly(peers_only));
+  return RunCpu(op, device, call, x.untyped_data(), x.size_bytes(), out->untyped_data(),
+                out->size_bytes(), group, options);
 }
+
+static ffi::Future AllGatherStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
+                                     ffi::RemainingRets rets, Group group, int64_t /*stream*/,
+                                     int64_t peers_only) {
+  return StartCpu(OpKind::kAllGather, device, call, x, rets, group, PeersOnly(peers_only));
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCpu, AllGatherStartCpu,
+                              CpuStart().Attr<int64_t>("peers_only"));
+
+static ffi::Future AllToAllStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
+                                    ffi::RemainingRets rets, Group group, int64_t /*stream*/) {
+  return StartCpu(OpKind::kAllToAll, device, call, x, rets, group, {});
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCpu, AllToAllStartCpu, CpuStart());
+
+static ffi::Future PermuteStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
+                                   ffi::RemainingRets rets, Group group, int64_t /*stream*/,
+                                   ffi::Span<const int64_t> permute_dst) {
+  return StartCpu(OpKind::kPermute, device, call, x, rets, group, PermuteTo(permute_dst));
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCpu, PermuteStartCpu,
+                              CpuStart().Attr<ffi::Span<const int64_t>>("permute_dst"));
+
 // all_gather, or a ppermute into the sender's slot, into rows [offset, ...) of a larger
 // buffer: args (x[, dst]), the output aliasing dst when given (cuda/handlers_cuda.cc says more).
-ffi::Future IntoStartCpu(int32_t device, CpuCall* call, ffi::RemainingArgs args,
-                         ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
-                         int64_t group_size, int64_t offset, ffi::Span<const int64_t> permute_dst,
-                         int64_t in_place, int64_t /*stream: GPU only*/, int64_t /*site*/) {
+static ffi::Future IntoStartCpu(int32_t device, CpuCall* call, ffi::RemainingArgs args,
+                                ffi::RemainingRets rets, Group group, int64_t /*stream*/,
+                                int64_t offset, ffi::Span<const int64_t> permute_dst,
+                                int64_t in_place) {
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return Failed(out_or.error());
   ffi::Result<ffi::AnyBuffer> out = *out_or;
-  auto into = DecodeInto(args, *out, group_size, offset, in_place);
+  auto into = DecodeInto(args, *out, group, offset, in_place);
   if (into.has_error()) return Failed(into.error());
-  ExchangeOptions options;
-  options.permute_dst = permute_dst;
+  ExchangeOptions options = PermuteTo(permute_dst);
   options.at_source_slot = permute_dst.size() > 0;  // a ppermute lands in the sender's slot
   options.in_place = into->in_place;
   return RunCpu(options.at_source_slot ? OpKind::kPermute : OpKind::kAllGather, device, call,
-                into->x, into->x_bytes, into->dst, into->bytes, groups, group_size, options);
+                into->x, into->x_bytes, into->dst, into->bytes, group, options);
 }
-ffi::Future AllToAllStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
-                             ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
-                             int64_t group_size, int64_t /*stream: GPU only*/, int64_t /*site*/) {
-  auto out_or = StartOutput(rets);
-  if (out_or.has_error()) return Failed(out_or.error());
-  ffi::Result<ffi::AnyBuffer> out = *out_or;
-  return RunCpu(OpKind::kAllToAll, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(), groups, group_size, {});
-}
-ffi::Future PermuteStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
-                            ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
-                            int64_t group_size, ffi::Span<const int64_t> permute_dst,
-                            int64_t /*stream: GPU only*/, int64_t /*site*/) {
-  auto out_or = StartOutput(rets);
-  if (out_or.has_error()) return Failed(out_or.error());
-  ffi::Result<ffi::AnyBuffer> out = *out_or;
-  return RunCpu(OpKind::kPermute, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(), groups, group_size, PermuteTo(permute_dst));
-}
-ffi::Error DoneCpu(ffi::RemainingArgs, ffi::RemainingRets, int64_t /*site of the start*/) {
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kIntoStartCpu, IntoStartCpu,
+                              CpuStart<ffi::RemainingArgs>()
+                                  .Attr<int64_t>("offset")
+                                  .Attr<ffi::Span<const int64_t>>("permute_dst")
+                                  .Attr<int64_t>("in_place"));
+
+static ffi::Error DoneCpu(ffi::RemainingArgs, ffi::RemainingRets, int64_t /*site of the start*/) {
   return ffi::Error::Success();
 }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kDoneCpu, DoneCpu, ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attr<int64_t>("site"));
 
 // hoccl_after (token, *arrays) -> arrays, each output aliasing its array: nothing to do at run
 // time. It exists for XLA: compute that reads the outputs depends on the token, so it cannot
 // run before the start that made the token (an optimization barrier does not hold on GPU).
 // Touches no stream, so the one handler serves CPU and CUDA (module.cc).
-ffi::Error OrderAfter(ffi::RemainingArgs, ffi::RemainingRets) { return ffi::Error::Success(); }
-
-// skip_own: my own slot of the output is left unwritten (plan.h).
-ffi::Future AllGatherCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                         int64_t group_size, int64_t skip_own, int64_t /*site*/) {
-  return RunCpu(OpKind::kAllGather, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(), groups, group_size, SkipOwn(skip_own));
+static ffi::Error OrderAfter(ffi::RemainingArgs, ffi::RemainingRets) {
+  return ffi::Error::Success();
 }
-ffi::Future AllToAllCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                        int64_t group_size, int64_t skip_own, int64_t /*site*/) {
-  return RunCpu(OpKind::kAllToAll, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(), groups, group_size, SkipOwn(skip_own));
-}
-ffi::Future PermuteCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
-                       ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                       int64_t group_size, ffi::Span<const int64_t> permute_dst, int64_t /*site*/) {
-  return RunCpu(OpKind::kPermute, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(), groups, group_size, PermuteTo(permute_dst));
-}
-
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCpu, AllGatherStartCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::State<CpuCall>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingRets()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("peers_only")
-                                  .Attr<int64_t>("stream")
-                                  .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kIntoStartCpu, IntoStartCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::State<CpuCall>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("offset")
-                                  .Attr<ffi::Span<const int64_t>>("permute_dst")
-                                  .Attr<int64_t>("in_place")
-                                  .Attr<int64_t>("stream")
-                                  .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCpu, AllToAllStartCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::State<CpuCall>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingRets()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("stream")
-                                  .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCpu, PermuteStartCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::State<CpuCall>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingRets()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<ffi::Span<const int64_t>>("permute_dst")
-                                  .Attr<int64_t>("stream")
-                                  .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kInstantiateCpuCall, InstantiateCpuCall,
-                              ffi::Ffi::BindInstantiate().Attrs());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kOrderAfter, OrderAfter,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    kDoneCpu, DoneCpu, ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attr<int64_t>("site"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherCpu, AllGatherCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::State<CpuCall>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("skip_own")
-                                  .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllCpu, AllToAllCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::State<CpuCall>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("skip_own")
-                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kInstantiateCpuCall, InstantiateCpuCall,
+                              ffi::Ffi::BindInstantiate().Attrs());
+
+// skip_own: my own slot of the output is left unwritten (plan.h).
+static ffi::Future AllGatherCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
+                                ffi::Result<ffi::AnyBuffer> out, Group group, int64_t skip_own) {
+  return RunCpu(OpKind::kAllGather, device, call, x.untyped_data(), x.size_bytes(),
+                out->untyped_data(), out->size_bytes(), group, SkipOwn(skip_own));
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherCpu, AllGatherCpu, CpuSync().Attr<int64_t>("skip_own"));
+
+static ffi::Future AllToAllCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
+                               ffi::Result<ffi::AnyBuffer> out, Group group, int64_t skip_own) {
+  return RunCpu(OpKind::kAllToAll, device, call, x.untyped_data(), x.size_bytes(),
+                out->untyped_data(), out->size_bytes(), group, SkipOwn(skip_own));
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllCpu, AllToAllCpu, CpuSync().Attr<int64_t>("skip_own"));
+
+static ffi::Future PermuteCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
+                              ffi::Result<ffi::AnyBuffer> out, Group group,
+                              ffi::Span<const int64_t> permute_dst) {
+  return RunCpu(OpKind::kPermute, device, call, x.untyped_data(), x.size_bytes(),
+                out->untyped_data(), out->size_bytes(), group, PermuteTo(permute_dst));
+}
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteCpu, PermuteCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::State<CpuCall>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<ffi::Span<const int64_t>>("permute_dst")
-                                  .Attr<int64_t>("site"));
+                              CpuSync().Attr<ffi::Span<const int64_t>>("permute_dst"));
 
 }  // namespace hoccl

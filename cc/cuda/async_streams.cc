@@ -87,36 +87,34 @@ ffi::Error FinishStart(AsyncState& a, cudaStream_t stream, int64_t site) {
 }
 
 ffi::Error EnqueueExchange(OpKind op, cudaStream_t stream, int lane, int32_t device, const void* in,
-                           size_t in_bytes, void* out_data, size_t out_bytes,
-                           ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
+                           size_t in_bytes, void* out_data, size_t out_bytes, const Group& group,
                            const ExchangeOptions& options, const Announce* announce) {
   OpSpec spec;
   std::vector<int64_t> ids;
-  ffi::Error decoded = DecodeOp(op, GlobalDeviceId(device), in_bytes, out_bytes, groups, group_size,
-                                options, &spec, &ids);
+  ffi::Error decoded =
+      DecodeOp(op, GlobalDeviceId(device), in_bytes, out_bytes, group, options, &spec, &ids);
   if (!decoded.success()) return decoded;
   in = InputFor(spec, in, out_data);
   if (spec.bytes > 0 && OutputBytes(spec) > 0) {
     ExecStatus st = RunOnCuda(CudaCommunicator(ids), spec, stream, in, out_data, lane,
-                              SiteName(site, OpName(op)), announce);
+                              SiteName(group.site, OpName(op)), announce);
     if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
   }
   return ffi::Error::Success();
 }
 
 ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, const void* in,
-                     size_t in_bytes, void* out_data, size_t out_bytes,
-                     ffi::Span<const int64_t> groups, int64_t group_size, int64_t stream_index,
-                     int64_t site, const ExchangeOptions& options, const Announce* announce) {
+                     size_t in_bytes, void* out_data, size_t out_bytes, const Group& group,
+                     int64_t stream_index, const ExchangeOptions& options,
+                     const Announce* announce) {
   HostTimer timer("start");
   AsyncState& a = AsyncStateFor(device);
   auto stream = StartStream(a, xla_stream, stream_index);
   if (stream.has_error()) return stream.error();
-  ffi::Error err =
-      EnqueueExchange(op, stream->first, stream->second, device, in, in_bytes, out_data, out_bytes,
-                      groups, group_size, site, options, announce);
+  ffi::Error err = EnqueueExchange(op, stream->first, stream->second, device, in, in_bytes,
+                                   out_data, out_bytes, group, options, announce);
   if (!err.success()) return err;
-  return FinishStart(a, stream->first, site);
+  return FinishStart(a, stream->first, group.site);
 }
 
 }  // namespace hoccl

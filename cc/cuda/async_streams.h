@@ -62,18 +62,30 @@ ffi::Error FinishStart(AsyncState& a, cudaStream_t stream, int64_t site);
 
 // One exchange on a start's stream (StartStream).
 ffi::Error EnqueueExchange(OpKind op, cudaStream_t stream, int lane, int32_t device, const void* in,
-                           size_t in_bytes, void* out_data, size_t out_bytes,
-                           ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
+                           size_t in_bytes, void* out_data, size_t out_bytes, const Group& group,
                            const ExchangeOptions& options, const Announce* announce = nullptr);
 
 // in/in_bytes: the input (in_place: ignored, the input is my slot of the output, InputFor);
 // out_data/out_bytes: where the result goes (the whole output, or for the "into" variant the
 // rows [offset, offset + n * x rows) of a larger buffer).
 ffi::Error StartCuda(OpKind op, cudaStream_t xla_stream, int32_t device, const void* in,
-                     size_t in_bytes, void* out_data, size_t out_bytes,
-                     ffi::Span<const int64_t> groups, int64_t group_size, int64_t stream_index,
-                     int64_t site, const ExchangeOptions& options,
+                     size_t in_bytes, void* out_data, size_t out_bytes, const Group& group,
+                     int64_t stream_index, const ExchangeOptions& options,
                      const Announce* announce = nullptr);
+
+// A CUDA handler's context (XLA's stream and the device), and its bindings
+// (ffi/handler_common.h).
+inline auto CudaContext() {
+  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
+}
+template <typename In = ffi::AnyBuffer>
+auto CudaSync() {
+  return SyncBinding<In>(CudaContext);
+}
+template <typename In = ffi::AnyBuffer>
+auto CudaStart() {
+  return StartBinding<In>(CudaContext);
+}
 
 }  // namespace hoccl
 

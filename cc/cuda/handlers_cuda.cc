@@ -26,8 +26,8 @@ namespace hoccl {
 namespace {
 
 ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffer x,
-                   ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                   int64_t group_size, int64_t site, const ExchangeOptions& options) {
+                   ffi::Result<ffi::AnyBuffer> out, const Group& group,
+                   const ExchangeOptions& options) {
   HostTimer timer("collective");
   static const bool debug = [] {
     const char* v = std::getenv("JAX_HOCCL_DEBUG");
@@ -37,101 +37,111 @@ ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffe
     std::fprintf(
         stderr,
         "[jax_hoccl] handler %s: device %lld, stream %p, %zu groups entries, group size %lld\n",
-        OpName(op), static_cast<long long>(device), static_cast<void*>(stream), groups.size(),
-        static_cast<long long>(group_size));
+        OpName(op), static_cast<long long>(device), static_cast<void*>(stream), group.ids.size(),
+        static_cast<long long>(group.size));
     std::fflush(stderr);
   }
   OpSpec spec;
   std::vector<int64_t> ids;
   ffi::Error decoded = DecodeOp(op, GlobalDeviceId(device), x.size_bytes(), out->size_bytes(),
-                                groups, group_size, options, &spec, &ids);
+                                group, options, &spec, &ids);
   if (!decoded.success()) return decoded;
   // Every rank sees the same shapes, so all skip together and sequence numbers stay in step.
   if (spec.bytes == 0) return ffi::Error::Success();
   Communicator& comm = CudaCommunicator(ids);
   ExecStatus st = RunOnCuda(comm, spec, stream, x.untyped_data(), out->untyped_data(), 0,
-                            SiteName(site, OpName(op)));
+                            SiteName(group.site, OpName(op)));
   if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
   return ffi::Error::Success();
 }
 
+// A start of (x) -> (out, token[, x]) (StartOutput) on its async stream.
+ffi::Error StartOne(OpKind op, cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                    ffi::RemainingRets rets, const Group& group, int64_t stream_index,
+                    const ExchangeOptions& options) {
+  auto out_or = StartOutput(rets);
+  if (out_or.has_error()) return out_or.error();
+  ffi::Result<ffi::AnyBuffer> out = *out_or;
+  return StartCuda(op, stream, device, x.untyped_data(), x.size_bytes(), out->untyped_data(),
+                   out->size_bytes(), group, stream_index, options);
+}
+
+}  // namespace
+
 // `site` only names the user's op in errors here (the CPU engine pairs calls by it): every
 // GPU runs its thunks in schedule order, so the per-communicator sequence pairs calls.
 // skip_own: my own slot of the output is left unwritten (plan.h).
-ffi::Error AllGatherCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                         int64_t group_size, int64_t skip_own, int64_t site) {
-  return RunCuda(OpKind::kAllGather, stream, device, x, out, groups, group_size, site,
-                 SkipOwn(skip_own));
+static ffi::Error AllGatherCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                ffi::Result<ffi::AnyBuffer> out, Group group, int64_t skip_own) {
+  return RunCuda(OpKind::kAllGather, stream, device, x, out, group, SkipOwn(skip_own));
 }
-ffi::Error AllToAllCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                        int64_t group_size, int64_t skip_own, int64_t site) {
-  return RunCuda(OpKind::kAllToAll, stream, device, x, out, groups, group_size, site,
-                 SkipOwn(skip_own));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherCuda, AllGatherCuda, CudaSync().Attr<int64_t>("skip_own"));
+
+static ffi::Error AllToAllCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                               ffi::Result<ffi::AnyBuffer> out, Group group, int64_t skip_own) {
+  return RunCuda(OpKind::kAllToAll, stream, device, x, out, group, SkipOwn(skip_own));
 }
-ffi::Error PermuteCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                       ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                       int64_t group_size, ffi::Span<const int64_t> permute_dst, int64_t site) {
-  return RunCuda(OpKind::kPermute, stream, device, x, out, groups, group_size, site,
-                 PermuteTo(permute_dst));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllCuda, AllToAllCuda, CudaSync().Attr<int64_t>("skip_own"));
+
+static ffi::Error PermuteCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                              ffi::Result<ffi::AnyBuffer> out, Group group,
+                              ffi::Span<const int64_t> permute_dst) {
+  return RunCuda(OpKind::kPermute, stream, device, x, out, group, PermuteTo(permute_dst));
 }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteCuda, PermuteCuda,
+                              CudaSync().Attr<ffi::Span<const int64_t>>("permute_dst"));
 
 // ---- async pairs: each start runs its exchange on an async stream (cuda/async_streams.h).
-ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                              ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
-                              int64_t group_size, int64_t peers_only, int64_t stream_index,
-                              int64_t site) {
-  auto out_or = StartOutput(rets);
-  if (out_or.has_error()) return out_or.error();
-  ffi::Result<ffi::AnyBuffer> out = *out_or;
-  return StartCuda(OpKind::kAllGather, stream, device, x.untyped_data(), x.size_bytes(),
-                   out->untyped_data(), out->size_bytes(), groups, group_size, stream_index, site,
-                   PeersOnly(peers_only));
+static ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                     ffi::RemainingRets rets, Group group, int64_t stream_index,
+                                     int64_t peers_only) {
+  return StartOne(OpKind::kAllGather, stream, device, x, rets, group, stream_index,
+                  PeersOnly(peers_only));
 }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCuda, AllGatherStartCuda,
+                              CudaStart().Attr<int64_t>("peers_only"));
+
+static ffi::Error AllToAllStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                    ffi::RemainingRets rets, Group group, int64_t stream_index) {
+  return StartOne(OpKind::kAllToAll, stream, device, x, rets, group, stream_index, {});
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCuda, AllToAllStartCuda, CudaStart());
+
+static ffi::Error PermuteStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                   ffi::RemainingRets rets, Group group, int64_t stream_index,
+                                   ffi::Span<const int64_t> permute_dst) {
+  return StartOne(OpKind::kPermute, stream, device, x, rets, group, stream_index,
+                  PermuteTo(permute_dst));
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCuda, PermuteStartCuda,
+                              CudaStart().Attr<ffi::Span<const int64_t>>("permute_dst"));
+
 // all_gather (permute_dst empty), or a ppermute into the sender's slot, into rows of a larger
 // buffer: args (x[, dst]); when dst is given the output aliases it (set in the lowering),
 // else XLA allocates it and the other rows stay unwritten for later calls of the chain.
-ffi::Error IntoStartCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
-                         ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
-                         int64_t group_size, int64_t offset, ffi::Span<const int64_t> permute_dst,
-                         int64_t in_place, int64_t stream_index, int64_t site) {
+static ffi::Error IntoStartCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
+                                ffi::RemainingRets rets, Group group, int64_t stream_index,
+                                int64_t offset, ffi::Span<const int64_t> permute_dst,
+                                int64_t in_place) {
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return out_or.error();
   ffi::Result<ffi::AnyBuffer> out = *out_or;
-  auto into = DecodeInto(args, *out, group_size, offset, in_place);
+  auto into = DecodeInto(args, *out, group, offset, in_place);
   if (into.has_error()) return into.error();
   ExchangeOptions options = PermuteTo(permute_dst);
   options.at_source_slot = permute_dst.size() > 0;  // a ppermute lands in the sender's slot
   options.in_place = into->in_place;
   return StartCuda(options.at_source_slot ? OpKind::kPermute : OpKind::kAllGather, stream, device,
-                   into->x, into->x_bytes, into->dst, into->bytes, groups, group_size, stream_index,
-                   site, options);
+                   into->x, into->x_bytes, into->dst, into->bytes, group, stream_index, options);
 }
-ffi::Error AllToAllStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                             ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
-                             int64_t group_size, int64_t stream_index, int64_t site) {
-  auto out_or = StartOutput(rets);
-  if (out_or.has_error()) return out_or.error();
-  ffi::Result<ffi::AnyBuffer> out = *out_or;
-  return StartCuda(OpKind::kAllToAll, stream, device, x.untyped_data(), x.size_bytes(),
-                   out->untyped_data(), out->size_bytes(), groups, group_size, stream_index, site,
-                   {});
-}
-ffi::Error PermuteStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                            ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
-                            int64_t group_size, ffi::Span<const int64_t> permute_dst,
-                            int64_t stream_index, int64_t site) {
-  auto out_or = StartOutput(rets);
-  if (out_or.has_error()) return out_or.error();
-  ffi::Result<ffi::AnyBuffer> out = *out_or;
-  return StartCuda(OpKind::kPermute, stream, device, x.untyped_data(), x.size_bytes(),
-                   out->untyped_data(), out->size_bytes(), groups, group_size, stream_index, site,
-                   PermuteTo(permute_dst));
-}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kIntoStartCuda, IntoStartCuda,
+                              CudaStart<ffi::RemainingArgs>()
+                                  .Attr<int64_t>("offset")
+                                  .Attr<ffi::Span<const int64_t>>("permute_dst")
+                                  .Attr<int64_t>("in_place"));
 
-ffi::Error DoneCuda(cudaStream_t xla_stream, int32_t device, ffi::RemainingArgs, ffi::RemainingRets,
-                    int64_t site) {
+static ffi::Error DoneCuda(cudaStream_t xla_stream, int32_t device, ffi::RemainingArgs,
+                           ffi::RemainingRets, int64_t site) {
   HostTimer timer("done");
   AsyncState& a = AsyncStateFor(device);
   auto it = a.pending.find(site);
@@ -145,91 +155,7 @@ ffi::Error DoneCuda(cudaStream_t xla_stream, int32_t device, ffi::RemainingArgs,
   if (e != cudaSuccess) return CudaFail("cudaStreamWaitEvent", e);
   return ffi::Error::Success();
 }
-
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStartCuda, AllGatherStartCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingRets()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("peers_only")
-                                  .Attr<int64_t>("stream")
-                                  .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kIntoStartCuda, IntoStartCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("offset")
-                                  .Attr<ffi::Span<const int64_t>>("permute_dst")
-                                  .Attr<int64_t>("in_place")
-                                  .Attr<int64_t>("stream")
-                                  .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStartCuda, AllToAllStartCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingRets()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("stream")
-                                  .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStartCuda, PermuteStartCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingRets()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<ffi::Span<const int64_t>>("permute_dst")
-                                  .Attr<int64_t>("stream")
-                                  .Attr<int64_t>("site"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kDoneCuda, DoneCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("site"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherCuda, AllGatherCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("skip_own")
-                                  .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllCuda, AllToAllCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("skip_own")
-                                  .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteCuda, PermuteCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<ffi::Span<const int64_t>>("permute_dst")
-                                  .Attr<int64_t>("site"));
+                              CudaContext().RemainingArgs().RemainingRets().Attr<int64_t>("site"));
 
 }  // namespace hoccl

@@ -1,10 +1,13 @@
-// What every FFI handler (CPU or CUDA, sync or start) does first: find this device's group
-// and rank in the `groups` attribute and build the op's spec, checking the output size.
+// What every FFI handler (CPU or CUDA, sync or start) shares: its binding, and what it does
+// first: find this device's group and rank in the `group` attribute and build the op's spec,
+// checking the output size.
 #ifndef JAX_HOCCL_HANDLER_COMMON_H_
 #define JAX_HOCCL_HANDLER_COMMON_H_
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "group.h"
@@ -12,6 +15,15 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace hoccl {
+
+// The attributes every collective carries, passed as one dictionary attribute `group`
+// (jax_hoccl/_src/axes.py, ffi_group_attrs): the device ids of every group, each in rank
+// order (`size` of them), and the lowering's call site (axes.new_site).
+struct Group {
+  xla::ffi::Span<const int64_t> ids;
+  int64_t size;
+  int64_t site;
+};
 
 // An exchange's options beyond its op, group and buffers, passed whole from the handler to
 // the spec (OpSpec in plan.h says what each does).
@@ -39,14 +51,13 @@ inline ExchangeOptions SkipOwn(int64_t skip_own) {
 }
 
 inline xla::ffi::Error DecodeOp(OpKind op, int64_t device, size_t in_bytes, size_t out_bytes,
-                                xla::ffi::Span<const int64_t> groups, int64_t group_size,
-                                const ExchangeOptions& options, OpSpec* spec,
+                                const Group& group, const ExchangeOptions& options, OpSpec* spec,
                                 std::vector<int64_t>* group_ids) {
   GroupPosition pos;
-  std::string err = FindGroup(groups.begin(), groups.size(), group_size, device, &pos);
+  std::string err = FindGroup(group.ids.begin(), group.ids.size(), group.size, device, &pos);
   if (!err.empty())
     return xla::ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) + ": " + err);
-  *spec = OpSpec{op, static_cast<int>(group_size), pos.rank, in_bytes, {}, options.peers_only};
+  *spec = OpSpec{op, static_cast<int>(group.size), pos.rank, in_bytes, {}, options.peers_only};
   spec->permute_dst.assign(options.permute_dst.begin(), options.permute_dst.end());
   spec->at_source_slot = options.at_source_slot;
   spec->in_place = options.in_place;
@@ -86,7 +97,7 @@ struct IntoRows {
   bool in_place = false;
 };
 inline xla::ffi::ErrorOr<IntoRows> DecodeInto(xla::ffi::RemainingArgs args, xla::ffi::AnyBuffer out,
-                                              int64_t group_size, int64_t offset,
+                                              const Group& group, int64_t offset,
                                               int64_t in_place_bytes) {
   IntoRows rows;
   rows.in_place = in_place_bytes > 0;
@@ -98,13 +109,43 @@ inline xla::ffi::ErrorOr<IntoRows> DecodeInto(xla::ffi::RemainingArgs args, xla:
     rows.x = x->untyped_data();
     rows.x_bytes = x->size_bytes();
   }
-  rows.bytes = rows.x_bytes * static_cast<size_t>(group_size);
+  rows.bytes = rows.x_bytes * static_cast<size_t>(group.size);
   if (offset < 0 || static_cast<size_t>(offset) + rows.bytes > out.size_bytes())
     return xla::ffi::Error::InvalidArgument("jax_hoccl into_start: rows out of the buffer");
   rows.dst = static_cast<char*>(out.untyped_data()) + offset;
   return rows;
 }
 
+// The bindings, one per (sync | start), after the platform's context (`context()`: a
+// Binding cannot be moved into a function, only made in it): the input `In` (a buffer, or
+// RemainingArgs), the outputs and the group; a start's outputs are RemainingRets (StartOutput) and
+// it runs on async stream `stream`. An op appends its own attributes (.Attr), which follow these in
+// its handler's parameters.
+template <typename In, typename Binding>
+auto BindInput(Binding binding) {
+  if constexpr (std::is_same_v<In, xla::ffi::RemainingArgs>) {
+    return std::move(binding).RemainingArgs();
+  } else {
+    return std::move(binding).template Arg<In>();
+  }
+}
+template <typename In, typename MakeContext>
+auto SyncBinding(MakeContext context) {
+  return BindInput<In>(context()).template Ret<xla::ffi::AnyBuffer>().template Attr<Group>("group");
+}
+template <typename In, typename MakeContext>
+auto StartBinding(MakeContext context) {
+  return BindInput<In>(context())
+      .RemainingRets()
+      .template Attr<Group>("group")
+      .template Attr<int64_t>("stream");
+}
+
 }  // namespace hoccl
+
+// The members must be all of the dictionary's: the lowering passes exactly these.
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    hoccl::Group, ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("groups"),
+    ::xla::ffi::StructMember<int64_t>("group_size"), ::xla::ffi::StructMember<int64_t>("site"));
 
 #endif  // JAX_HOCCL_HANDLER_COMMON_H_

@@ -1,12 +1,12 @@
 // The FFI handler symbols the nanobind module exposes to Python (module.cc), one per op and
-// platform. Movers take (x) -> out with attributes groups, group_size, site[, permute_dst]
-// (see jax_hoccl/_src/axes.py). Async pairs: `<op>_start` takes the same plus peers_only for
-// all_gather and returns (out, token): it enqueues the copies and returns at once, out still
-// being filled; `done` makes XLA's stream wait for them, its outputs aliasing its inputs
-// (jax_hoccl/_src/ops/async_collectives.py). `into_start` writes an all_gather's result, or a
-// ppermute's into the sender's slot, into rows [offset, ...) of a larger buffer, donated or
-// new: fused ops assemble outputs with it. `after` passes arrays through (aliased) so that
-// XLA's compute on them depends on a start's token.
+// platform. Movers take (x) -> out with attributes group (groups, group_size, site: Group in
+// ffi/handler_common.h)[, permute_dst]. Async pairs: `<op>_start` takes the same, stream, and
+// peers_only for all_gather and returns (out, token): it enqueues the copies and returns at
+// once, out still being filled; `done` makes XLA's stream wait for them, its outputs aliasing
+// its inputs (jax_hoccl/_src/ops/async_collectives.py). `into_start` writes an all_gather's
+// result, or a ppermute's into the sender's slot, into rows [offset, ...) of a larger buffer,
+// donated or new: fused ops assemble outputs with it. `after` passes arrays through (aliased)
+// so that XLA's compute on them depends on a start's token.
 #ifndef JAX_HOCCL_HANDLERS_H_
 #define JAX_HOCCL_HANDLERS_H_
 

@@ -31,8 +31,7 @@ namespace {
 ffi::Error AnnouncedGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                                     ffi::Result<ffi::AnyBuffer> out,
                                     ffi::Result<ffi::AnyBuffer> flags, ffi::Result<ffi::AnyBuffer>,
-                                    ffi::Span<const int64_t> groups, int64_t group_size,
-                                    int64_t announce_bytes, int64_t stream_index, int64_t site) {
+                                    Group group, int64_t stream_index, int64_t announce_bytes) {
   if (announce_bytes <= 0 || flags->size_bytes() * static_cast<size_t>(announce_bytes) <
                                  out->size_bytes() * sizeof(uint64_t))
     return ffi::Error::InvalidArgument(
@@ -44,8 +43,8 @@ ffi::Error AnnouncedGatherStartCuda(cudaStream_t stream, int32_t device, ffi::An
   Announce announce{static_cast<uint64_t*>(flags->untyped_data()),
                     static_cast<size_t>(announce_bytes)};
   return StartCuda(OpKind::kAllGather, stream, device, x.untyped_data(), x.size_bytes(),
-                   out->untyped_data(), out->size_bytes(), groups, group_size, stream_index, site,
-                   PeersOnly(true), &announce);
+                   out->untyped_data(), out->size_bytes(), group, stream_index, PeersOnly(true),
+                   &announce);
 }
 
 // The reduce-scatter ring walked by one flagged GEMM (fused/gemm_ring.py): matmul_reduce_scatter,
@@ -61,9 +60,8 @@ ffi::Error AnnouncedGatherStartCuda(cudaStream_t stream, int32_t device, ffi::An
 // it there; with gather, for each band of my summed block, wait for it and send it to every
 // peer's slot (n-1 one-band ppermutes).
 ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer /*x*/,
-                             ffi::RemainingRets rets, ffi::Span<const int64_t> groups,
-                             int64_t group_size, int64_t band_bytes, int64_t flag_target,
-                             int64_t gather, int64_t stream_index, int64_t site) {
+                             ffi::RemainingRets rets, Group group, int64_t stream_index,
+                             int64_t band_bytes, int64_t flag_target, int64_t gather) {
   HostTimer timer("start");
   const char* op =
       gather ? "jax_hoccl matmul_psum ring: " : "jax_hoccl matmul_reduce_scatter ring: ";
@@ -74,7 +72,7 @@ ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBu
       last.has_error())
     return ffi::Error::InvalidArgument(std::string(op) + "missing outputs");
   const size_t block_bytes = (*send)->size_bytes();
-  const size_t n = static_cast<size_t>(group_size);
+  const size_t n = static_cast<size_t>(group.size);
   if (band_bytes <= 0 || n < 2 || block_bytes % band_bytes ||
       (*recv)->size_bytes() != block_bytes * (n - 2) ||
       (*last)->size_bytes() != block_bytes * (gather ? n : 1))
@@ -90,7 +88,7 @@ ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBu
                       std::string(op) + "the CUDA driver has no cuStreamWaitValue32");
   GroupPosition pos;  // my rank
   std::string found =
-      FindGroup(groups.begin(), groups.size(), group_size, GlobalDeviceId(device), &pos);
+      FindGroup(group.ids.begin(), group.ids.size(), group.size, GlobalDeviceId(device), &pos);
   if (!found.empty()) return ffi::Error::InvalidArgument(std::string(op) + found);
   const size_t r = static_cast<size_t>(pos.rank);
   cudaError_t e;
@@ -131,7 +129,7 @@ ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBu
     char* into = j + 2 < n ? recv_at + j * block_bytes + at : last_at + at;  // on rank r+1
     Announce announce{announced + b, static_cast<size_t>(band_bytes)};
     err = EnqueueExchange(OpKind::kPermute, stream->first, stream->second, device, from, band_bytes,
-                          into, band_bytes, groups, group_size, site, PermuteTo(next), &announce);
+                          into, band_bytes, group, PermuteTo(next), &announce);
     if (!err.success()) return err;
   }
   if (gather) {
@@ -141,44 +139,30 @@ ffi::Error GemmRingStartCuda(cudaStream_t xla_stream, int32_t device, ffi::AnyBu
       if (!err.success()) return err;
       for (size_t k = 1; k < n; ++k) {  // my band to rank r + k; rank r - k's into its slot
         const std::vector<int64_t> dst = shift(k);
-        err = EnqueueExchange(
-            OpKind::kPermute, stream->first, stream->second, device, last_at + b * band_bytes,
-            band_bytes, out_at + ((r + n - k) % n) * block_bytes + b * band_bytes, band_bytes,
-            groups, group_size, site, PermuteTo(ffi::Span<const int64_t>(dst.data(), dst.size())));
+        err = EnqueueExchange(OpKind::kPermute, stream->first, stream->second, device,
+                              last_at + b * band_bytes, band_bytes,
+                              out_at + ((r + n - k) % n) * block_bytes + b * band_bytes, band_bytes,
+                              group, PermuteTo(ffi::Span<const int64_t>(dst.data(), dst.size())));
         if (!err.success()) return err;
       }
     }
   }
-  return FinishStart(a, stream->first, site);
+  return FinishStart(a, stream->first, group.site);
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAnnouncedGatherStartCuda, AnnouncedGatherStartCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
+                              CudaContext()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("announce_bytes")
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // flags
+                                  .Ret<ffi::AnyBuffer>()  // token
+                                  .Attr<Group>("group")
                                   .Attr<int64_t>("stream")
-                                  .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kGemmRingStartCuda, GemmRingStartCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingRets()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int64_t>("band_bytes")
-                                  .Attr<int64_t>("flag_target")
-                                  .Attr<int64_t>("gather")
-                                  .Attr<int64_t>("stream")
-                                  .Attr<int64_t>("site"));
+                                  .Attr<int64_t>("announce_bytes"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kGemmRingStartCuda, GemmRingStartCuda,
+    CudaStart().Attr<int64_t>("band_bytes").Attr<int64_t>("flag_target").Attr<int64_t>("gather"));
 
 }  // namespace hoccl

@@ -27,6 +27,8 @@
 #include <tuple>
 #include <vector>
 
+#include "cuda/async_streams.h"
+#include "ffi/handler_common.h"
 #include "ffi/handlers.h"
 #include "group.h"
 #include "host_profile.h"
@@ -284,10 +286,9 @@ int CudaType(ffi::DataType t) {
 // args: x [Mx, K], w [K, N] or [B, K, N], then c [B * rows, N] when has_c, then the buffer
 // `out` aliases when the call writes into an earlier call's output (into). out: [My, N].
 ffi::Error RowsMatmulCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
-                          ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                          int64_t group_size, int64_t shift, int64_t block_rows, int64_t piece_row0,
-                          int64_t rows, int64_t out_row0, int64_t out_shift, int64_t out_block_rows,
-                          int64_t has_c) {
+                          ffi::Result<ffi::AnyBuffer> out, Group group, int64_t shift,
+                          int64_t block_rows, int64_t piece_row0, int64_t rows, int64_t out_row0,
+                          int64_t out_shift, int64_t out_block_rows, int64_t has_c) {
   HostTimer timer("rows_matmul");
   auto fail = [](const std::string& m) {
     return ffi::Error::InvalidArgument("jax_hoccl rows_matmul: " + m);
@@ -309,8 +310,9 @@ ffi::Error RowsMatmulCuda(cudaStream_t stream, int32_t device, ffi::RemainingArg
   const int64_t k = wd[wr - 2], n = wd[wr - 1], batch = wr == 3 ? wd[0] : 1;
   GroupPosition pos;
   std::string err =
-      FindGroup(groups.begin(), groups.size(), group_size, GlobalDeviceId(device), &pos);
+      FindGroup(group.ids.begin(), group.ids.size(), group.size, GlobalDeviceId(device), &pos);
   if (!err.empty()) return fail(err);
+  const int64_t group_size = group.size;
   auto slot = [&](int64_t s) { return ((pos.rank + s) % group_size + group_size) % group_size; };
   const int64_t x_row0 = slot(shift) * block_rows + piece_row0;
   const int64_t y_row0 = out_row0 + slot(out_shift) * out_block_rows;
@@ -372,13 +374,7 @@ ffi::Error RowsMatmulCuda(cudaStream_t stream, int32_t device, ffi::RemainingArg
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kRowsMatmulCuda, RowsMatmulCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("group_size")
+                              CudaSync<ffi::RemainingArgs>()
                                   .Attr<int64_t>("shift")
                                   .Attr<int64_t>("block_rows")
                                   .Attr<int64_t>("piece_row0")

@@ -255,4 +255,6 @@ def ffi_group_attrs(ctx, axes, op: str, site: int, groups=None) -> dict:
   if spans_processes(mesh, axes):
     job.nodes(calling_op(op))  # the C++ engines learn the job before the first call
   table = group_table(mesh, axes, groups)
-  return dict(groups=table.reshape(-1), group_size=np.int64(table.shape[1]), site=np.int64(site))
+  # One dictionary attribute, decoded whole as a struct by every handler (cc/ffi/handler_common.h).
+  return dict(group=dict(groups=table.reshape(-1), group_size=np.int64(table.shape[1]),
+                         site=np.int64(site)))

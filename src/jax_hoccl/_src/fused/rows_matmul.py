@@ -103,8 +103,7 @@ def _cuda_lowering(ctx, x, w, *rest, axes, axis_size, shift, block_rows, piece_r
   if not runs_on_cublaslt(ctx.avals_in[0].dtype, k, n_out):
     return ji.lower_fun(_reference, multiple_results=False)(ctx, x, w, *rest, **params)
   _preload_cublaslt()
-  attrs = axes_lib.ffi_group_attrs(ctx, axes, "rows_matmul", 0)
-  del attrs["site"]
+  attrs = axes_lib.ffi_group_attrs(ctx, axes, "rows_matmul", 0)  # site 0: names no user op
   aliases = {2 + int(has_c): 0} if has_into else {}
   return ffi_lower("hoccl_rows_matmul", "rows_matmul", ctx, x, w, *rest, **attrs,
                    shift=np.int64(shift), block_rows=np.int64(block_rows),
