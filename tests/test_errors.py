@@ -235,9 +235,8 @@ _MISSING_PEER_SCRIPT = textwrap.dedent("""
     def ghost(a):
       call = jax.ffi.ffi_call("hoccl_all_gather", jax.ShapeDtypeStruct((2, 4), a.dtype),
                               has_side_effect=True)
-      # ffi_call hashes its attributes: an array inside the `group` dictionary must be wrapped
-      from jax._src.hashable_array import HashableArray
-      group = dict(groups=HashableArray(np.array([0, 99], np.int64)), group_size=np.int64(2),
+      from jax_hoccl._src.jax_internals import hashable_array  # ffi_call hashes attributes
+      group = dict(groups=hashable_array(np.array([0, 99], np.int64)), group_size=np.int64(2),
                    site=np.int64(987654321))
       return call(a, group=group, skip_own=np.int64(0))[0]
     f = jax.jit(jax.shard_map(ghost, mesh=mesh1, in_specs=P("x"), out_specs=P("x"),

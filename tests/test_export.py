@@ -92,14 +92,14 @@ def test_symbolic_shape_custom_call_in_shard_map_still_crashes_jaxlib():
       import numpy as np, jax, jax.numpy as jnp
       from jax import export
       from jax.sharding import NamedSharding, PartitionSpec as P
-      from jax._src.hashable_array import HashableArray  # ffi_call hashes its attributes
+      from jax_hoccl._src.jax_internals import hashable_array  # ffi_call hashes attributes
       from jax_hoccl._src import ffi_targets
       ffi_targets.register()
       mesh = jax.make_mesh((8,), ("x",))
       def body(a):
         return jax.ffi.ffi_call("hoccl_ppermute", jax.ShapeDtypeStruct(a.shape, a.dtype),
                                 has_side_effect=True)(
-            a, group=dict(groups=HashableArray(np.arange(8, dtype=np.int64)),
+            a, group=dict(groups=hashable_array(np.arange(8, dtype=np.int64)),
                           group_size=np.int64(8), site=np.int64(1)),
             permute_dst=np.roll(np.arange(8, dtype=np.int64), 1))
       f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))

@@ -252,3 +252,10 @@ def concrete_mesh_from_lowering(ctx, op_name: str):
         " without them (a shard_map nested inside another one). Use one jax.shard_map over "
         "all the axes, or jax.lax collectives inside the nested one.")
   return mesh
+
+
+def hashable_array(a):
+  """An array that jax.ffi.ffi_call can hash as (part of) an attribute, as a dictionary
+  attribute holding an array must be when a handler is called directly."""
+  from jax._src.hashable_array import HashableArray
+  return HashableArray(a)
