@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import explicit_axes
 from jax_hoccl._src.fused.cotangent import cotangent_like
 from jax_hoccl._src.fused.gather_and_multiply import gather_and_multiply
 from jax_hoccl._src.fused.matmul_reduce_scatter import matmul_reduce_scatter
@@ -55,6 +56,7 @@ def _agmm_bwd(axis_name, res, ct):
 _agmm.defvjp(_agmm_fwd, _agmm_bwd)
 
 
+@explicit_axes.typed_like()
 @axes_lib.names_errors("all_gather_matmul")
 def all_gather_matmul(x, w, axis_name):
   """all_gather(x, axis_name, tiled=True) @ w for x [m, ..., K] (rows sharded over the axis)

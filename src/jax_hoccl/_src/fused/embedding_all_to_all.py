@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import explicit_axes
 from jax_hoccl._src.fused.matmul_all_to_all import vary_alike
 from jax_hoccl._src.fused.pipeline import compute_all_to_all
 from jax_hoccl._src.fused.cotangent import cotangent_like
@@ -51,6 +52,7 @@ def _ema2a_bwd(axis_name, res, ct):
 _ema2a.defvjp(_ema2a_fwd, _ema2a_bwd)
 
 
+@explicit_axes.typed_like()
 @axes_lib.names_errors("embedding_all_to_all")
 def embedding_all_to_all(table, ids, axis_name):
   """all_to_all(table[ids].sum(-2), axis_name, 0, 0, tiled=True) for this rank's table

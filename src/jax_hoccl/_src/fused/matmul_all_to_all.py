@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.fused import pipeline
 from jax_hoccl._src.fused.batch_as_rows import batch_as_rows
@@ -97,6 +98,7 @@ def _mma2a_bwd(axis_name, res, ct):
 _mma2a.defvjp(_mma2a_fwd, _mma2a_bwd)
 
 
+@explicit_axes.typed_like()
 @axes_lib.names_errors("matmul_all_to_all")
 def matmul_all_to_all(x, w, axis_name):
   """all_to_all(jnp.matmul(x, w), axis_name, 0, 0, tiled=True) for x [n, ..., K] (block j

@@ -26,6 +26,7 @@ from jax_hoccl._src.fused.batch_as_rows import batch_as_rows
 from jax_hoccl._src.fused.rows_matmul import runs_on_cublaslt
 from jax_hoccl._src.fused import exchanges as ex
 from jax_hoccl._src.fused.cotangent import cotangent_like
+from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ops import common
 from jax_hoccl._src.ops.psum import psum, psum_algorithm
@@ -109,6 +110,7 @@ def _mmps_bwd(axis_name, chunks, res, ct):
 _mmps.defvjp(_mmps_fwd, _mmps_bwd)
 
 
+@explicit_axes.typed_like()
 @axes_lib.names_errors("matmul_psum")
 def matmul_psum(x, w, axis_name, *, chunks=None):
   """psum(x @ w, axis_name) for x [M, ..., K] (K sharded over the axis) and w [K, N];

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import explicit_axes
 from jax_hoccl._src.fused import gemm_ring as flagged
 from jax_hoccl._src.fused import pipeline, ring
 from jax_hoccl._src.fused.rows_matmul import runs_on_cublaslt
@@ -93,6 +94,7 @@ def _mmrs_bwd(axis_name, chunks, res, ct):
 _mmrs.defvjp(_mmrs_fwd, _mmrs_bwd)
 
 
+@explicit_axes.typed_like()
 @axes_lib.names_errors("matmul_reduce_scatter")
 def matmul_reduce_scatter(x, w, axis_name, *, chunks=None):
   """psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True) for x [M, ..., K]

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import branches
 from jax_hoccl._src import cost_model
+from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ops import across_processes, buckets, common
 from jax_hoccl._src.ops.all_gather import gather_stacked
@@ -137,6 +138,7 @@ ji.primitive_batchers[psum_p] = _batch
 branches.register(psum_p)
 
 
+@explicit_axes.typed_like(jax.lax.psum)
 def psum(x, axis_name, *, axis_index_groups=None):
   """jax.lax.psum with copy-engine data movement. Works on pytrees: leaves of one dtype and
   type are summed in one exchange per bucket (buckets.py). axis_index_groups: with
@@ -178,6 +180,7 @@ def psum(x, axis_name, *, axis_index_groups=None):
   return buckets.elementwise(x, prepare, one)
 
 
+@explicit_axes.typed_like(jax.lax.pmean)
 def pmean(x, axis_name, *, axis_index_groups=None):
   """jax.lax.pmean with copy-engine data movement: psum, then a division by the group size,
   as jax.lax does it (integers become floats). Works on pytrees. With axis_index_groups of
