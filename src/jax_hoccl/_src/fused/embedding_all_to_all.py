@@ -3,7 +3,7 @@ tiled=True): DLRM-style model-parallel embeddings. Each rank owns a table shard;
 holds rank j's samples' indices into it; the pooled (summed) embeddings go back to the
 rank that owns the samples. The lookup for rank j is sent (copy engines) while XLA looks up
 the next block; the lookup of my own block is written into its slot of the output (XLA fuses
-it into the dynamic_update_slice, in place), the received ones land in theirs (pipeline.py).
+it into the dynamic_update_slice, in place), the received ones land in theirs (row_pieces/pipeline.py).
 """
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import explicit_axes
-from jax_hoccl._src.fused.matmul_all_to_all import vary_alike
-from jax_hoccl._src.fused.pipeline import compute_all_to_all
-from jax_hoccl._src.fused.cotangent import cotangent_like
+from jax_hoccl._src.cotangents import cotangent_like, vary_alike
+from jax_hoccl._src.fused.row_pieces.pipeline import compute_all_to_all
 from jax_hoccl._src.ops import common
 from jax_hoccl._src.ops.all_to_all import all_to_all
 
