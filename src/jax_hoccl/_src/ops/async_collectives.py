@@ -40,8 +40,7 @@ from jax_hoccl._src.ops.psum_scatter import scatter_blocks, scatter_result
 # rank, lowering the same program, puts a start on the same stream); each stream has its own
 # flag lane (cc/cuda/cuda_executor.h). Read from JAX_HOCCL_ASYNC_STREAMS when a program is lowered;
 # at most MAX_ASYNC_STREAMS (cc: kMaxAsyncLanes). With one stream a pipeline's exchanges queue
-# behind each other: matmul_psum's 8 exchanges of 8 MiB at M = 4096 kept it ~400 us busy
-# against a 410 us GEMM on 2x H200.
+# behind each other (docs/design.md, section 4).
 MAX_ASYNC_STREAMS = 4
 
 

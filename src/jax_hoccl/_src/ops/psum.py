@@ -4,8 +4,8 @@ Two algorithms, both compositions of the movers with an XLA sum (no kernel of ou
   one_shot : all_gather everything, sum locally. One round of copies: best for small inputs.
   two_step : psum_scatter then all_gather (each rank sums 1/n). Moves 2(n-1)/n of the bytes
              instead of (n-1): best for large inputs.
-(A third, two_step in chunks whose sums overlap the next chunk's copies, measured 0.76-0.90x
-jax.lax's bandwidth at 64 MiB - 1 GiB on 2x H200, below two_step, and is gone: docs/design.md.)
+(A third, two_step in chunks whose sums overlap the next chunk's copies, was slower than
+two_step and is gone: docs/design.md.)
 "auto" picks the one the cost model (_src/cost_model.py, fitted to the 2x H200 benchmark)
 predicts faster for the size and group: one_shot for small inputs and, with two ranks, up
 to hundreds of MiB; two_step above. Override with the env var JAX_HOCCL_PSUM_ALGORITHM or `with jax_hoccl.psum_algorithm(

@@ -37,8 +37,8 @@ from jax_hoccl._src.ops import common
 from jax_hoccl._src.ops.async_collectives import Pending, start_attrs
 
 # Bands of at most this many per ring step: each is one exchange with its own host
-# rendezvous (~10-20 us of host time), and the first band's transfer is what the next step
-# waits for.
+# rendezvous (its host time: docs/design.md, section 8), and the first band's transfer is
+# what the next step waits for.
 MAX_BANDS_PER_STEP = 8
 MIN_BAND_ROWS = 256
 
