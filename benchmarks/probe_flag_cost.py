@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import profiler
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
-from jax_hoccl._src.fused import flagged_gemm as fg
+from jax_hoccl._src.fused.flagged import flagged_gemm as fg
 
 def t(f, *args):
   _, ts = profiler.measure(f, iterations=20)(*args)

@@ -6,7 +6,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import profiler
-from jax_hoccl._src.fused import flagged_gemm as fg
+from jax_hoccl._src.fused.flagged import flagged_gemm as fg
 
 def t(f, *args, it=20):
   _, ts = profiler.measure(f, iterations=it)(*args)

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jax_hoccl.bench.fused import _paired  # noqa: E402
-from jax_hoccl._src.fused.rows_matmul import rows_matmul  # noqa: E402
+from jax_hoccl._src.fused.row_pieces.rows_matmul import rows_matmul  # noqa: E402
 
 
 def main():

@@ -1,5 +1,5 @@
 """What the fused ops' walks of the flagged GEMM cost on one GPU with nothing to wait for: each
-walk (fused/gather_into_gemm.py, fused/gemm_ring.py, n = 2 and 4 ranks, rank 0) run with its
+walk (fused/flagged/gather_walk.py, fused/flagged/reduce_scatter_walk.py, n = 2 and 4 ranks, rank 0) run with its
 ready flags already up, against XLA's dot of the same M x K x N and the plain flagged GEMM
 (flags on), and the plain kernel adding into its output (the ring's partial sums). CUPTI kernel time,
 three interleaved rounds of 20 calls, medians. What is left over the plain kernel is compute-
@@ -9,7 +9,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import profiler
-from jax_hoccl._src.fused import flagged_gemm as fg, gather_into_gemm as gig, gemm_ring as gr
+from jax_hoccl._src.fused.flagged import flagged_gemm as fg, gather_walk as gig, reduce_scatter_walk as gr
 
 K = N = 8192
 bf = jnp.bfloat16

@@ -581,7 +581,7 @@ def test_all_gather_into_chain_matches_lax(dtype):
   """Two gathers write rows [0, 8*2) and [16, 16+8*1) of a new [24, 3] buffer, the second
   into the first's buffer (donated, no copy), waited in the order matmul_psum uses: the
   buffer equals the concatenation of jax.lax.all_gathers."""
-  from jax_hoccl._src.fused import exchanges as ex
+  from jax_hoccl._src.fused.row_pieces import exchanges as ex
   rng = np.random.default_rng(7)
   a, b = put(MESH1, rand(rng, (16, 3), dtype)), put(MESH1, rand(rng, (8, 3), dtype))
 
@@ -639,7 +639,7 @@ def test_all_gather_in_place_chain_matches_lax(dtype, batched):
   gathers them in place (its own block not copied): rows [0, 8*2) by an async start, rows
   [16, 16+8*1) by one on XLA's stream (sync), waited in matmul_psum's order. The buffer equals
   the concatenation of jax.lax.all_gathers, also under vmap."""
-  from jax_hoccl._src.fused import exchanges as ex
+  from jax_hoccl._src.fused.row_pieces import exchanges as ex
   rng = np.random.default_rng(9)
   lead = (2,) if batched else ()
   a = put(MESH1, rand(rng, (*lead, 16, 3), dtype), P(*((None,) * len(lead)), "x"))
@@ -666,7 +666,7 @@ def test_all_gather_in_place_chain_matches_lax(dtype, batched):
 
 
 def test_all_gather_in_place_rows_must_fit():
-  from jax_hoccl._src.fused import exchanges as ex
+  from jax_hoccl._src.fused.row_pieces import exchanges as ex
   f = smap(MESH1, lambda a: ex.all_gather_in_place_start(a, "x", 8, 2).buffer, True,
            in_specs=P("x"), out_specs=P("x"))
   with pytest.raises(ValueError, match=r"rows \[8, 24\) do not fit into \(20, 3\)"):
@@ -674,7 +674,7 @@ def test_all_gather_in_place_rows_must_fit():
 
 
 def test_all_gather_into_rows_must_fit():
-  from jax_hoccl._src.fused import exchanges as ex
+  from jax_hoccl._src.fused.row_pieces import exchanges as ex
   f = smap(MESH1, lambda a: ex.all_gather_into_start(a, "x", (20, 3), 8).buffer, True,
            in_specs=P("x"), out_specs=P("x"))
   with pytest.raises(ValueError, match=r"rows \[8, 24\).*do not fit into \(20, 3\)"):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_hoccl
-from jax_hoccl._src.fused import flagged_gemm as fg
+from jax_hoccl._src.fused.flagged import flagged_gemm as fg
 from conftest import CPUS, XLA_COLLECTIVES
 
 START = {"all_gather_matmul": "hoccl_announced_gather_start",
@@ -109,7 +109,7 @@ def test_walks_name_their_blocks():
   `send`, and from block 1 on each adds into where the partial for its rows landed (recv
   block j - 1, the last into `last`, or for matmul_psum my slot of the output) once its
   arrival flags (block j - 1) are up."""
-  from jax_hoccl._src.fused import gemm_ring as gr, gather_into_gemm
+  from jax_hoccl._src.fused.flagged import gather_walk, reduce_scatter_walk as gr
   n = 4
   walk = gr.walk(n)
   assert [b.a.block for b in walk] == [(-1 - j) % n for j in range(n)]
@@ -122,10 +122,10 @@ def test_walks_name_their_blocks():
   assert [b.flag for b in walk] == [True] * (n - 1) + [False]
   psum_walk = gr.walk(n, gather=True)
   assert psum_walk[-1].out == fg.Rows(gr.LAST, 0, by_rank=True) and psum_walk[-1].flag
-  gather_walk = gather_into_gemm.walk(n)
-  assert gather_walk[0].wait is None and all(b.wait == "a" for b in gather_walk[1:])
-  assert [b.ready_block for b in gather_walk[1:]] == list(range(n - 1))
-  assert [b.out.block for b in gather_walk] == list(range(n))
+  walk_g = gather_walk.walk(n)
+  assert walk_g[0].wait is None and all(b.wait == "a" for b in walk_g[1:])
+  assert [b.ready_block for b in walk_g[1:]] == list(range(n - 1))
+  assert [b.out.block for b in walk_g] == list(range(n))
   # a ring step's bands: at most 8, at least 256 rows, dividing the block
   for rows in (256, 512, 2048, 8192, 16384):
     band = gr.band_rows(rows)

@@ -1,4 +1,4 @@
-"""The flagged GEMM (fused/flagged_gemm.py) on one Hopper GPU (skipped elsewhere): values against
+"""The flagged GEMM (fused/flagged/flagged_gemm.py) on one Hopper GPU (skipped elsewhere): values against
 XLA's dot, its producer flags seen mid-kernel by a copy-engine stream with the rows final (and
 stale when the flag is raised before the rows are stored: the ordering is what the test sees),
 its consumer flags holding tiles back until a copy-engine stream brings their rows, and a walk
@@ -11,7 +11,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jax_hoccl._src.fused import flagged_gemm as fg
+from jax_hoccl._src.fused.flagged import flagged_gemm as fg
 from conftest import gpus
 
 GPUS = gpus()

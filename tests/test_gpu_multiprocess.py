@@ -188,7 +188,7 @@ FAILURE_WORKER = PRELUDE + textwrap.dedent("""
 # are kernels that need SMs: the fused ops take their row pieces, never a walk that waits
 # in-kernel (the lowered programs hold neither the announced gather nor the ring's start).
 FLAGGED_WORKER = PRELUDE + textwrap.dedent("""
-    from jax_hoccl._src.fused import flagged_gemm
+    from jax_hoccl._src.fused.flagged import flagged_gemm
     if getattr(jax.devices()[0], "compute_capability", "") != "9.0":
         print("SKIP not Hopper", flush=True); os._exit(0)
     assert "share a GPU" in flagged_gemm.peer_wait_reason()

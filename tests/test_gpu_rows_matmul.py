@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_hoccl._src.fused.rows_matmul import rows_matmul
+from jax_hoccl._src.fused.row_pieces.rows_matmul import rows_matmul
 from conftest import gpus
 
 

@@ -21,23 +21,6 @@ from jax_hoccl._src.ops.pmax import pmax, pmin
 from jax_hoccl._src.ops.psum import pmean, psum, psum_algorithm
 from jax_hoccl._src.ops.psum_scatter import psum_scatter
 from jax_hoccl._src.routing import route_collectives
-from jax_hoccl._src.explicit_axes import typed_like as _typed_like
-
-import jax as _jax
-
-# Partial-manual shard_map over Explicit axes: typed like jax.lax's (explicit_axes.py).
-psum, pmean = _typed_like(psum, _jax.lax.psum), _typed_like(pmean, _jax.lax.pmean)
-pmax, pmin = _typed_like(pmax, _jax.lax.pmax), _typed_like(pmin, _jax.lax.pmin)
-all_gather = _typed_like(all_gather, _jax.lax.all_gather)
-all_to_all = _typed_like(all_to_all, _jax.lax.all_to_all)
-psum_scatter = _typed_like(psum_scatter, _jax.lax.psum_scatter)
-ppermute = _typed_like(ppermute, _jax.lax.ppermute)
-(all_gather_start, all_to_all_start, ppermute_start, psum_start, psum_scatter_start,
- all_gather_matmul, matmul_reduce_scatter, matmul_psum, matmul_all_to_all,
- embedding_all_to_all) = map(_typed_like, (
-     all_gather_start, all_to_all_start, ppermute_start, psum_start, psum_scatter_start,
-     all_gather_matmul, matmul_reduce_scatter, matmul_psum, matmul_all_to_all,
-     embedding_all_to_all))
 
 __version__ = "0.1.0"
 __all__ = [

@@ -33,31 +33,35 @@ def unsharded(tree):
   return jax.tree.map(lambda a: jax.sharding.reshard(a, P()) if _is_sharded(a) else a, tree)
 
 
-def typed_like(op, lax_op=None):
-  """`op`, run on inputs unsharded over the Explicit auto axes, its results resharded to the
-  types of lax_op(*same arguments) (None: left unsharded)."""
+def typed_like(lax_op=None):
+  """Decorator for a public op: it runs on inputs unsharded over the Explicit auto axes, and
+  its results are resharded to the types of lax_op(*same arguments) (None: left unsharded).
+  Outside a partial-manual shard_map, or with no input sharded, it calls the op as is."""
 
-  @functools.wraps(op)
-  def wrapped(*args, **kwargs):
-    if not explicit_auto_axes() or not any(map(_is_sharded, jax.tree.leaves((args, kwargs)))):
-      return op(*args, **kwargs)
-    out = op(*unsharded(args), **unsharded(kwargs))
-    if lax_op is None:
-      return out
-    leaves, tree = jax.tree.flatten((args, kwargs))
-    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+  def decorate(op):
+    @functools.wraps(op)
+    def wrapped(*args, **kwargs):
+      if not explicit_auto_axes() or not any(map(_is_sharded, jax.tree.leaves((args, kwargs)))):
+        return op(*args, **kwargs)
+      out = op(*unsharded(args), **unsharded(kwargs))
+      if lax_op is None:
+        return out
+      leaves, tree = jax.tree.flatten((args, kwargs))
+      arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
 
-    def lax_result(*values):  # lax_op with the arrays abstract, the rest (axis names) as given
-      full = list(leaves)
-      for i, v in zip(arrays, values):
-        full[i] = v
-      a, k = jax.tree.unflatten(tree, full)
-      return lax_op(*a, **k)
+      def lax_result(*values):  # lax_op with the arrays abstract, the rest (axis names) as given
+        full = list(leaves)
+        for i, v in zip(arrays, values):
+          full[i] = v
+        a, k = jax.tree.unflatten(tree, full)
+        return lax_op(*a, **k)
 
-    ref = jax.eval_shape(lax_result, *(leaves[i] for i in arrays))
-    return jax.tree.map(lambda o, r: jax.sharding.reshard(o, r.sharding.spec), out, ref)
+      ref = jax.eval_shape(lax_result, *(leaves[i] for i in arrays))
+      return jax.tree.map(lambda o, r: jax.sharding.reshard(o, r.sharding.spec), out, ref)
 
-  return wrapped
+    return wrapped
+
+  return decorate
 
 
 def leading_spec(a):

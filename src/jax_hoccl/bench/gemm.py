@@ -1,4 +1,4 @@
-"""The flagged GEMM alone (fused/flagged_gemm.py, flags on) against XLA's dot on one Hopper GPU,
+"""The flagged GEMM alone (fused/flagged/flagged_gemm.py, flags on) against XLA's dot on one Hopper GPU,
 and how soon a copy-engine stream waiting on a flag moves once the flag is written. The gemm
 section of `python -m jax_hoccl.bench`: rows {"impl", "m", "k", "n", "time_us"} (impl "xla" or
 "jax_hoccl_flagged") and {"what", "time_us"} in "flag_latency".
@@ -32,7 +32,7 @@ def bench_gemm(shapes=SHAPES):
   """Rows of the gemm section (empty where the flagged GEMM cannot run)."""
   import jax
   import jax.numpy as jnp
-  from jax_hoccl._src.fused import flagged_gemm as fg
+  from jax_hoccl._src.fused.flagged import flagged_gemm as fg
 
   rows = []
   for m, k, n in shapes:

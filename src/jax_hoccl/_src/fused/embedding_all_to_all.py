@@ -3,7 +3,7 @@ tiled=True): DLRM-style model-parallel embeddings. Each rank owns a table shard;
 holds rank j's samples' indices into it; the pooled (summed) embeddings go back to the
 rank that owns the samples. The lookup for rank j is sent (copy engines) while XLA looks up
 the next block; the lookup of my own block is written into its slot of the output (XLA fuses
-it into the dynamic_update_slice, in place), the received ones land in theirs (pipeline.py).
+it into the dynamic_update_slice, in place), the received ones land in theirs (row_pieces/pipeline.py).
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
-from jax_hoccl._src.fused.matmul_all_to_all import vary_alike
-from jax_hoccl._src.fused.pipeline import compute_all_to_all
-from jax_hoccl._src.fused.cotangent import cotangent_like
+from jax_hoccl._src import explicit_axes
+from jax_hoccl._src.cotangents import cotangent_like, vary_alike
+from jax_hoccl._src.fused.row_pieces.pipeline import compute_all_to_all
 from jax_hoccl._src.ops import common
 from jax_hoccl._src.ops.all_to_all import all_to_all
 
@@ -51,6 +51,7 @@ def _ema2a_bwd(axis_name, res, ct):
 _ema2a.defvjp(_ema2a_fwd, _ema2a_bwd)
 
 
+@explicit_axes.typed_like()
 @axes_lib.names_errors("embedding_all_to_all")
 def embedding_all_to_all(table, ids, axis_name):
   """all_to_all(table[ids].sum(-2), axis_name, 0, 0, tiled=True) for this rank's table

@@ -1,13 +1,12 @@
 """matmul_all_to_all(x, w, axis) == all_to_all(x @ w, axis, 0, 0, tiled=True) for x
 [n, ..., K] whose block j is destined for rank j: the MoE combine, where each rank's experts
 process tokens from every rank and the outputs go back to the tokens' owners. The block for
-rank j is sent (copy engines) while the SMs compute the next block (pipeline.py).
+rank j is sent (copy engines) while the SMs compute the next block (row_pieces/pipeline.py).
 
 The blocks are rows_matmul GEMMs when x @ w is one ([n, ..., K] @ [K, N], or per-expert
 [n, E, C, K] @ [E, K, N] as a strided batch): they read x's block in place and the own block
 is written straight into its slot of the output. XLA's dot instead needed a copy of each
-block of x and a copy into the output (on 2x H200, E=4, C=2048, H=D=4096 bf16: 42 us per
-block slice against 345 us per block GEMM).
+block of x and a copy into the output (docs/design.md).
 """
 from __future__ import annotations
 
@@ -18,11 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
-from jax_hoccl._src import jax_internals as ji
-from jax_hoccl._src.fused import pipeline
-from jax_hoccl._src.fused.batch_as_rows import batch_as_rows
-from jax_hoccl._src.fused.rows_matmul import rows_matmul
-from jax_hoccl._src.fused.cotangent import cotangent_like
+from jax_hoccl._src import explicit_axes
+from jax_hoccl._src.cotangents import cotangent_like, vary_alike
+from jax_hoccl._src.fused.row_pieces import pipeline
+from jax_hoccl._src.fused.row_pieces.batch_as_rows import batch_as_rows
+from jax_hoccl._src.fused.row_pieces.rows_matmul import rows_matmul
 from jax_hoccl._src.ops import common
 from jax_hoccl._src.ops.all_to_all import all_to_all
 
@@ -41,9 +40,9 @@ def _multiply_all_to_all(x, w, axes, n):
   shape = jax.eval_shape(jnp.matmul, x, w).shape
   gemm = _gemm_rows(x, w)
   if n == 1 or gemm is None or 0 in shape:
-    return pipeline.compute_all_to_all(lambda xb: jnp.matmul(xb, w),
-                              lambda j: jax.lax.dynamic_index_in_dim(x, j, keepdims=False),
-                              axes, n)
+    return pipeline.compute_all_to_all(
+        lambda xb: jnp.matmul(xb, w),
+        lambda j: jax.lax.dynamic_index_in_dim(x, j, keepdims=False), axes, n)
   rows, block_rows = gemm
   x2 = x.reshape(n * block_rows, x.shape[-1])
   args = dict(block_rows=block_rows, piece_row0=0, rows=rows)
@@ -53,20 +52,6 @@ def _multiply_all_to_all(x, w, axes, n):
                                      out_block_rows=block_rows, after=after, **args),
       axes, n, (n * block_rows, w.shape[-1]))
   return out.reshape(shape)
-
-
-def vary_alike(*arrays):
-  """Casts the arrays to vary over the union of their varying manual axes (check_vma=True
-  only). A jax.vjp taken over them then holds no implicit pvary, whose transpose would be
-  jax.lax.psum, i.e. XLA's all-reduce; cotangent.cotangent_like sums with jax_hoccl.psum."""
-  if not ji.check_vma_enabled():
-    return arrays
-  union = frozenset().union(*(ji.varying_axes(jax.typeof(a)) for a in arrays))
-  out = []
-  for a in arrays:
-    missing = tuple(sorted(union - ji.varying_axes(jax.typeof(a)), key=str))
-    out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
-  return tuple(out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -97,6 +82,7 @@ def _mma2a_bwd(axis_name, res, ct):
 _mma2a.defvjp(_mma2a_fwd, _mma2a_bwd)
 
 
+@explicit_axes.typed_like()
 @axes_lib.names_errors("matmul_all_to_all")
 def matmul_all_to_all(x, w, axis_name):
   """all_to_all(jnp.matmul(x, w), axis_name, 0, 0, tiled=True) for x [n, ..., K] (block j

@@ -1,6 +1,6 @@
 """matmul_psum(x, w, axis) == psum(x @ w, axis): a reduce-scatter around the ring, the sums
-added to the GEMMs' results (ring.py), each summed piece written by its GEMM straight into
-its rank's slot of the output, then all-gathered in place by the copy engines
+added to the GEMMs' results (row_pieces/ring.py), each summed piece written by its GEMM
+straight into its rank's slot of the output, then all-gathered in place by the copy engines
 (`all_gather_in_place_start`: no copy of my own piece, no concatenate) while the SMs multiply
 the next pieces. Only the last piece's all-gather is exposed; it runs on XLA's stream, with
 no hops between streams. (With XLA's dots, f32 or JAX_HOCCL_CUBLASLT=0, each summed piece is
@@ -9,7 +9,9 @@ an array of its own, gathered into the output by `all_gather_into_start`.)
 Rows are laid out so that a piece's all-gather is contiguous in the output: piece p of rank
 b's block is rows [n * O_p + b * r_p, n * O_p + (b + 1) * r_p), O_p being the rows of the
 pieces before p. GEMV shapes (decode: M = 1..64) have nothing to overlap: one synchronous
-one-shot psum.
+one-shot psum. On Hopper GPUs (bf16/f16, shapes that tile, chunks=None) it is one flagged
+GEMM walking the ring, each summed band all-gathered as it is stored
+(flagged/reduce_scatter_walk.py).
 """
 from __future__ import annotations
 
@@ -20,13 +22,13 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
-from jax_hoccl._src.fused import gemm_ring as flagged
-from jax_hoccl._src.fused import ring
-from jax_hoccl._src.fused.batch_as_rows import batch_as_rows
-from jax_hoccl._src.fused.rows_matmul import runs_on_cublaslt
-from jax_hoccl._src.fused import exchanges as ex
-from jax_hoccl._src.fused.cotangent import cotangent_like
+from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
+from jax_hoccl._src.cotangents import cotangent_like
+from jax_hoccl._src.fused.flagged import reduce_scatter_walk
+from jax_hoccl._src.fused.row_pieces import exchanges, ring
+from jax_hoccl._src.fused.row_pieces.batch_as_rows import batch_as_rows
+from jax_hoccl._src.fused.row_pieces.rows_matmul import runs_on_cublaslt
 from jax_hoccl._src.ops import common
 from jax_hoccl._src.ops.psum import psum, psum_algorithm
 
@@ -43,8 +45,8 @@ def multiply_and_sum(x, w, axes, n, chunks):
   if chunks == 1 or m % n:
     return _one_shot_psum(x, w, axes)
   x2 = x.reshape(-1, x.shape[-1])
-  if chunks is None and flagged.applies(x2, w, n, "matmul_psum"):  # one flagged GEMM: ring, then gathers
-    return flagged.gemm_psum(x2, w, axes, n).reshape(*x.shape[:-1], w.shape[1])
+  if chunks is None and reduce_scatter_walk.applies(x2, w, n, "matmul_psum"):  # one flagged GEMM
+    return reduce_scatter_walk.gemm_psum(x2, w, axes, n).reshape(*x.shape[:-1], w.shape[1])
   inner = int(np.prod(x.shape[1:-1], dtype=np.int64))  # rows of x2 per row of x
   row_bytes = inner * w.shape[1] * x.dtype.itemsize
   pieces = ring.row_pieces(m // n, row_bytes, chunks, "matmul_psum")
@@ -63,11 +65,11 @@ def multiply_and_sum(x, w, axes, n, chunks):
     # the last exchange runs on XLA's stream: nothing is left to overlap it with
     row0, rows = int(starts[p]) * inner, pieces[p] * inner
     if in_place:
-      pending = ex.all_gather_in_place_start(out, axes, row0, rows, to="invariant",
+      pending = exchanges.all_gather_in_place_start(out, axes, row0, rows, to="invariant",
                                              sync=p == last)
     else:
       into = gathers[-1].buffer if gathers else (m * inner, w.shape[1])
-      pending = ex.all_gather_into_start(out, axes, into, row0, to="invariant", sync=p == last)
+      pending = exchanges.all_gather_into_start(out, axes, into, row0, to="invariant", sync=p == last)
     gathers.append(ov.start(pending))
     return pending.buffer if in_place else None
 
@@ -109,16 +111,17 @@ def _mmps_bwd(axis_name, chunks, res, ct):
 _mmps.defvjp(_mmps_fwd, _mmps_bwd)
 
 
+@explicit_axes.typed_like()
 @axes_lib.names_errors("matmul_psum")
 def matmul_psum(x, w, axis_name, *, chunks=None):
   """psum(x @ w, axis_name) for x [M, ..., K] (K sharded over the axis) and w [K, N];
   returns [M, ..., N], invariant over the axis. Call inside shard_map.
 
   Runs as one flagged GEMM (the ring, then each summed band all-gathered as it is stored;
-  gemm_ring.py) on Hopper GPUs for bf16/f16 with M/n (times the inner dims) % 256 == 0,
-  K % 64 == 0, N % 256 == 0 and chunks=None, unless ranks share a GPU (its in-kernel waits
-  would then wait for copies that need its SMs); else as row-piece GEMMs pipelined with the
-  exchanges.
+  flagged/reduce_scatter_walk.py) on Hopper GPUs for bf16/f16 with M/n (times the inner dims)
+  % 256 == 0, K % 64 == 0, N % 256 == 0 and chunks=None, unless ranks share a GPU (its
+  in-kernel waits would then wait for copies that need its SMs); else as row-piece GEMMs
+  pipelined with the exchanges.
 
   chunks: how each rank's M/n-row block is cut for the row-piece pipeline: None (by size;
   GEMV shapes get one synchronous psum), 1 (no pipelining: one synchronous psum), an int c

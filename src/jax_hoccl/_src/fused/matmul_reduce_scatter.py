@@ -1,19 +1,16 @@
 """matmul_reduce_scatter(x, w, axis) == psum_scatter(x @ w, axis, scatter_dimension=0,
 tiled=True), with the exchange hidden behind the matmul (the row-parallel linear layer).
 
-For bf16/f16 with K, N multiples of 8 (rows_matmul's cuBLASLt path on GPU) it runs as a ring
-(ring.py): pieces of the partial sums travel rank to rank, each GEMM a rows_matmul that reads
-x's rows in place, adds the received partial in its epilogue and writes the last step's pieces
-straight into the output, so nothing follows the last GEMM (no slice copies, no sum kernel, no
+On Hopper GPUs (bf16/f16, shapes that tile, chunks=None) it is one flagged GEMM walking the
+ring (flagged/reduce_scatter_walk.py). Else, for bf16/f16 with K, N multiples of 8
+(rows_matmul's cuBLASLt path on GPU) it runs as a ring of row pieces (row_pieces/ring.py):
+pieces of the partial sums travel rank to rank, each GEMM a rows_matmul that reads x's rows in
+place, adds the received partial in its epilogue and writes the last step's pieces straight
+into the output, so nothing follows the last GEMM (no slice copies, no sum kernel, no
 concatenate, no transfer). Otherwise the partial product for rank j is computed (XLA's dot)
 and sent while the next one is computed, this rank's own partial last, then the received
-partials are summed.
-
-(On 2x H200, every output element consumed, the ring took 1.07x / 1.09x the GEMM at
-M = 4096 / 16384 against the send form's 1.20x / 1.24x, in
-benchmarks/results/2026-11-30-2xNVIDIA-H200-fused.json. An earlier comparison had the
-benchmark consume one element of the output, which let XLA shrink the send form's final sum to
-one element and hid its cost.)
+partials are summed (row_pieces/pipeline.py). (The ring against the send form:
+docs/design.md.)
 
 Backward: dx = all_gather_matmul(ct, w.T) (overlapped), dw = x.T @ all_gather(ct).
 """
@@ -26,11 +23,12 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
-from jax_hoccl._src.fused import gemm_ring as flagged
-from jax_hoccl._src.fused import pipeline, ring
-from jax_hoccl._src.fused.rows_matmul import runs_on_cublaslt
-from jax_hoccl._src.fused.cotangent import cotangent_like
-from jax_hoccl._src.fused.gather_and_multiply import gather_and_multiply
+from jax_hoccl._src import explicit_axes
+from jax_hoccl._src.cotangents import cotangent_like
+from jax_hoccl._src.fused.flagged import gather_walk, reduce_scatter_walk
+from jax_hoccl._src.fused.row_pieces import pipeline, ring
+from jax_hoccl._src.fused.row_pieces.gather_beside_gemms import gather_beside_gemms
+from jax_hoccl._src.fused.row_pieces.rows_matmul import runs_on_cublaslt
 from jax_hoccl._src.ops import common
 
 
@@ -38,9 +36,7 @@ def _ring(x, w, axes, n, chunks):
   rows = x.shape[0] // n
   inner = int(np.prod(x.shape[1:-1], dtype=np.int64))  # rows of x2 per row of x
   # Two pieces by default: nothing follows the last GEMM, so smaller pieces only cost GEMM
-  # efficiency (2x H200, M = 4096 / 16384, in the results file above: 2 pieces 1.07-1.10x /
-  # 1.09-1.14x the GEMM (two rows of that config in one run), 4 pieces 1.13x / 1.14x); one
-  # piece would wait for the whole transfer.
+  # efficiency (docs/design.md); one piece would wait for the whole transfer.
   if chunks is None:
     chunks = 2 if rows % 2 == 0 else 1
   pieces = ring.row_pieces(rows, 1, chunks, "matmul_reduce_scatter")
@@ -56,8 +52,8 @@ def multiply_and_scatter(x, w, axes, n, chunks=None):
   if n == 1:
     return x @ w
   x2 = x.reshape(-1, x.shape[-1])
-  if chunks is None and flagged.applies(x2, w, n, "matmul_reduce_scatter"):  # one flagged GEMM walking the ring
-    out = flagged.gemm_reduce_scatter(x2, w, axes, n)
+  if chunks is None and reduce_scatter_walk.applies(x2, w, n, "matmul_reduce_scatter"):  # one flagged GEMM, the ring
+    out = reduce_scatter_walk.gemm_reduce_scatter(x2, w, axes, n)
     return out.reshape(x.shape[0] // n, *x.shape[1:-1], w.shape[1])
   if runs_on_cublaslt(x.dtype, *w.shape):  # (on CPU too, where its GEMMs are XLA's)
     return _ring(x, w, axes, n, chunks)
@@ -84,7 +80,11 @@ def _mmrs_bwd(axis_name, chunks, res, ct):
   x, w = res
   axes, n = axes_lib.check_axes(axis_name, "matmul_reduce_scatter")
   ct = common.ensure_varying(ct, axes, "matmul_reduce_scatter")
-  dx, ct_gathered = gather_and_multiply(ct, w.T, axes, n, with_rows=True)
+  # dx = all_gather(ct) @ w.T, as all_gather_matmul's forward pass
+  if gather_walk.applies(ct, w.T, n):
+    dx, ct_gathered = gather_walk.gemm_as_rows_land(ct, w.T, axes, n, with_rows=True)
+  else:
+    dx, ct_gathered = gather_beside_gemms(ct, w.T, axes, n, with_rows=True)
   k, nout = w.shape
   dw = x.reshape(-1, k).T @ ct_gathered.reshape(-1, nout)
   return cotangent_like(dx, x), cotangent_like(dw, w)
@@ -93,17 +93,18 @@ def _mmrs_bwd(axis_name, chunks, res, ct):
 _mmrs.defvjp(_mmrs_fwd, _mmrs_bwd)
 
 
+@explicit_axes.typed_like()
 @axes_lib.names_errors("matmul_reduce_scatter")
 def matmul_reduce_scatter(x, w, axis_name, *, chunks=None):
   """psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True) for x [M, ..., K]
   (K sharded over the axis: each rank holds a partial product) and w [K, N]; returns
   [M/n, ..., N]. Call inside shard_map.
 
-  Runs as one flagged GEMM walking the ring (gemm_ring.py) on Hopper GPUs for bf16/f16 with
-  M/n (times the inner dims) % 256 == 0, K % 64 == 0, N % 256 == 0 and chunks=None, unless
-  ranks share a GPU (its in-kernel waits would then wait for copies that need its SMs); else
-  as a ring of row-piece GEMMs (bf16/f16: cuBLASLt on GPU) or, for other dtypes, one block sent
-  per rank.
+  Runs as one flagged GEMM walking the ring (flagged/reduce_scatter_walk.py) on Hopper GPUs
+  for bf16/f16 with M/n (times the inner dims) % 256 == 0, K % 64 == 0, N % 256 == 0 and
+  chunks=None, unless ranks share a GPU (its in-kernel waits would then wait for copies that
+  need its SMs); else as a ring of row-piece GEMMs (bf16/f16: cuBLASLt on GPU) or, for other
+  dtypes, one block sent per rank.
 
   chunks: how each rank's M/n-row block is cut into the row-piece ring's pieces (bf16/f16):
   None (2), an int c (c equal pieces) or a sequence of row counts summing to M/n.

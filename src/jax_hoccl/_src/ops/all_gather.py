@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import branches
+from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
 from jax_hoccl._src.ops import across_processes, buckets, common
@@ -70,6 +71,7 @@ def gather_stacked(x, axes, axis_size, invariant=False, skip_own=False, reduced=
                            site=axes_lib.new_site(), groups=groups)
 
 
+@explicit_axes.typed_like(jax.lax.all_gather)
 def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to="varying"):
   """jax.lax.all_gather on copy engines. Works on pytrees (leaves of one dtype and type in
   one exchange per bucket, buckets.py). `to="invarying"` (jax.lax's spelling; "invariant" is

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import branches
+from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
 from jax_hoccl._src.ops import across_processes, buckets, common
@@ -63,6 +64,7 @@ def exchange_stacked(x, axes, axis_size, skip_own=False, groups=None):
                            skip_own=bool(skip_own), site=axes_lib.new_site(), groups=groups)
 
 
+@explicit_axes.typed_like(jax.lax.all_to_all)
 def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None, tiled=False):
   """jax.lax.all_to_all on copy engines. Works on pytrees (leaves of one dtype and type in
   one exchange per bucket, buckets.py)."""

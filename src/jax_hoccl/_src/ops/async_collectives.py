@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
 from jax_hoccl._src.ops import common
@@ -39,8 +40,7 @@ from jax_hoccl._src.ops.psum_scatter import scatter_blocks, scatter_result
 # rank, lowering the same program, puts a start on the same stream); each stream has its own
 # flag lane (cc/cuda/cuda_executor.h). Read from JAX_HOCCL_ASYNC_STREAMS when a program is lowered;
 # at most MAX_ASYNC_STREAMS (cc: kMaxAsyncLanes). With one stream a pipeline's exchanges queue
-# behind each other: matmul_psum's 8 exchanges of 8 MiB at M = 4096 kept it ~400 us busy
-# against a 410 us GEMM on 2x H200.
+# behind each other (docs/design.md, section 4).
 MAX_ASYNC_STREAMS = 4
 
 
@@ -217,6 +217,7 @@ ORDER_INPUT_DOC = """
   or the token instead, when x is still read after the start elsewhere (XLA would copy it)."""
 
 
+@explicit_axes.typed_like()
 def all_gather_start(x, axis_name, *, axis=0, tiled=False, peers_only=False, to="varying",
                      order_input=True):
   """Starts jax_hoccl.all_gather(x, ...). With peers_only=True the result holds only the
@@ -247,6 +248,7 @@ def all_gather_start(x, axis_name, *, axis=0, tiled=False, peers_only=False, to=
                 finish=finish)
 
 
+@explicit_axes.typed_like()
 def all_to_all_start(x, axis_name, *, tiled=True, order_input=True):
   """Starts an all_to_all of x's leading axis (size n, or divisible by n with tiled=True):
   block j goes to rank j; done returns the received blocks stacked in rank order."""
@@ -261,6 +263,7 @@ def all_to_all_start(x, axis_name, *, tiled=True, order_input=True):
   return _start("all_to_all", blocks, axes, n, order_input, finish=lambda y: y.reshape(shape))
 
 
+@explicit_axes.typed_like()
 def ppermute_start(x, axis_name, perm, *, order_input=True):
   """Starts jax_hoccl.ppermute(x, axis_name, perm)."""
   axes, n = axes_lib.check_axes(axis_name, "ppermute_start")
@@ -270,6 +273,7 @@ def ppermute_start(x, axis_name, perm, *, order_input=True):
                 perm=check_perm(perm, n))
 
 
+@explicit_axes.typed_like()
 def psum_start(x, axis_name, *, order_input=True):
   """Starts jax_hoccl.psum(x, axis_name) of one array: the copy engines bring every rank's x
   between start and done, and done sums them in rank order (an XLA fusion; bf16/f16
@@ -282,6 +286,7 @@ def psum_start(x, axis_name, *, order_input=True):
                 finish=common.sum_leading)
 
 
+@explicit_axes.typed_like()
 def psum_scatter_start(x, axis_name, *, scatter_dimension=0, tiled=False, order_input=True):
   """Starts jax_hoccl.psum_scatter(x, axis_name, ...): the copy engines bring me every
   rank's block of x between start and done; done sums them in rank order (an XLA fusion;

@@ -1,8 +1,8 @@
 """Pytrees of many arrays in few exchanges: every collective of a pytree (psum, pmean, pmax,
 pmin, psum_scatter, all_gather, all_to_all, ppermute) puts the leaves of one dtype and one
 type (varying, unreduced and reduced axes) side by side in one buffer per bucket of up to BUCKET_BYTES and moves it
-in one exchange, as XLA combines its own all-reduces, reduce-scatters and all-gathers. A small exchange costs ~25-40 us (copy-engine and flag
-latency, host enqueue), which a model's dozens of small gradient or parameter leaves would
+in one exchange, as XLA combines its own all-reduces, reduce-scatters and all-gathers. A small exchange has a fixed cost (copy-engine and flag
+latency, host enqueue; docs/design.md, section 7), which a model's dozens of small gradient or parameter leaves would
 otherwise pay one by one. Env JAX_HOCCL_BUCKET_BYTES sets the size (0: one exchange per leaf).
 """
 from __future__ import annotations

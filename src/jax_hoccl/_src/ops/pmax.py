@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import branches
+from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ops import across_processes, buckets, common
 from jax_hoccl._src.ops.all_gather import gather_stacked
@@ -98,11 +99,13 @@ def _extremum(x, axis_name, axis_index_groups, op):
   return buckets.elementwise(x, prepare, one)
 
 
+@explicit_axes.typed_like(jax.lax.pmax)
 def pmax(x, axis_name, *, axis_index_groups=None):
   """jax.lax.pmax with copy-engine data movement. Works on pytrees."""
   return _extremum(x, axis_name, axis_index_groups, "pmax")
 
 
+@explicit_axes.typed_like(jax.lax.pmin)
 def pmin(x, axis_name, *, axis_index_groups=None):
   """jax.lax.pmin with copy-engine data movement. Works on pytrees."""
   return _extremum(x, axis_name, axis_index_groups, "pmin")

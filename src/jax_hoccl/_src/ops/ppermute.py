@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import branches
+from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
 from jax_hoccl._src.ops import across_processes, buckets, common
@@ -72,6 +73,7 @@ def check_perm(perm, n, op="ppermute"):
   return perm
 
 
+@explicit_axes.typed_like(jax.lax.ppermute)
 def ppermute(x, axis_name, perm):
   """jax.lax.ppermute on copy engines. Works on pytrees (leaves of one dtype and type in one
   exchange per bucket, buckets.py)."""

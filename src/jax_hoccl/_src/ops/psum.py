@@ -4,8 +4,8 @@ Two algorithms, both compositions of the movers with an XLA sum (no kernel of ou
   one_shot : all_gather everything, sum locally. One round of copies: best for small inputs.
   two_step : psum_scatter then all_gather (each rank sums 1/n). Moves 2(n-1)/n of the bytes
              instead of (n-1): best for large inputs.
-(A third, two_step in chunks whose sums overlap the next chunk's copies, measured 0.76-0.90x
-jax.lax's bandwidth at 64 MiB - 1 GiB on 2x H200, below two_step, and is gone: docs/design.md.)
+(A third, two_step in chunks whose sums overlap the next chunk's copies, was slower than
+two_step and is gone: docs/design.md.)
 "auto" picks the one the cost model (_src/cost_model.py, fitted to the 2x H200 benchmark)
 predicts faster for the size and group: one_shot for small inputs and, with two ranks, up
 to hundreds of MiB; two_step above. Override with the env var JAX_HOCCL_PSUM_ALGORITHM or `with jax_hoccl.psum_algorithm(
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import branches
 from jax_hoccl._src import cost_model
+from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ops import across_processes, buckets, common
 from jax_hoccl._src.ops.all_gather import gather_stacked
@@ -137,6 +138,7 @@ ji.primitive_batchers[psum_p] = _batch
 branches.register(psum_p)
 
 
+@explicit_axes.typed_like(jax.lax.psum)
 def psum(x, axis_name, *, axis_index_groups=None):
   """jax.lax.psum with copy-engine data movement. Works on pytrees: leaves of one dtype and
   type are summed in one exchange per bucket (buckets.py). axis_index_groups: with
@@ -178,6 +180,7 @@ def psum(x, axis_name, *, axis_index_groups=None):
   return buckets.elementwise(x, prepare, one)
 
 
+@explicit_axes.typed_like(jax.lax.pmean)
 def pmean(x, axis_name, *, axis_index_groups=None):
   """jax.lax.pmean with copy-engine data movement: psum, then a division by the group size,
   as jax.lax does it (integers become floats). Works on pytrees. With axis_index_groups of

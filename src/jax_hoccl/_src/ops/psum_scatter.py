@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import branches
+from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ops import across_processes, buckets, common
 from jax_hoccl._src.ops.all_gather import all_gather_p, gather_stacked
@@ -119,6 +120,7 @@ def scatter_result(y, scatter_dimension, tiled):
   return y if tiled else jnp.squeeze(y, axis=scatter_dimension % y.ndim)
 
 
+@explicit_axes.typed_like(jax.lax.psum_scatter)
 def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, tiled=False):
   """jax.lax.psum_scatter with copy-engine data movement. Works on pytrees (leaves of one
   dtype and type in one exchange per bucket, buckets.py)."""

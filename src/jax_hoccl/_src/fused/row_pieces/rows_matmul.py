@@ -1,16 +1,20 @@
-"""rows_matmul: out[y_row0 : y_row0 + rows] = x[x_row0 : x_row0 + rows] @ w (+ c), the
-GEMM the fused ops' pipelines are built from; x_row0 = ((rank + shift) % n) * block_rows +
+"""rows_matmul: the GEMM of a range of rows,
+
+    rows_matmul(x, w, ...) == out.at[y_row0 : y_row0 + rows].set(
+                                  x[x_row0 : x_row0 + rows] @ w (+ c))
+
+the GEMM the fused ops' pipelines are built from; x_row0 = ((rank + shift) % n) * block_rows +
 piece_row0 picks this rank's rows, y_row0 = out_row0 + ((rank + out_shift) % n) *
 out_block_rows the output's. With w [B, K, N] it is a batch of B such GEMMs over consecutive
 `rows`-row ranges of x and out (matmul_all_to_all: one per MoE expert).
 
-On GPU, for bf16/f16, it is one cuBLASLt call (cc/cuda/fused/rows_matmul_cuda.cc) that reads x's rows
-and writes the output's rows through pointer offsets: no copy of x's rows, `+ c` (a received
+On GPU, for bf16/f16, it is one cuBLASLt call (cc/cuda/fused/rows_matmul_cuda.cc) that reads
+x's rows and writes the output's rows through pointer offsets: no copy of x's rows, `+ c` (a received
 partial sum) in the GEMM's epilogue instead of a kernel, and optionally the rows written in
 place into a buffer chained from call to call (`into`, so pieces need no concatenate:
 matmul_reduce_scatter's ring writes its output that way).
-With XLA's own dot matmul_psum paid for the copies and the adds (measured on H200: most of
-its overhead over the GEMM alone). Otherwise (JAX_HOCCL_CUBLASLT=0; CPU; f32 and other
+With XLA's own dot matmul_psum paid for the copies and the adds (most of its overhead over
+the GEMM alone: docs/design.md). Otherwise (JAX_HOCCL_CUBLASLT=0; CPU; f32 and other
 dtypes) it lowers to XLA's dynamic_slice, dot, add and dynamic_update_slice: the same values.
 """
 from __future__ import annotations
@@ -25,7 +29,7 @@ import jax.numpy as jnp
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
-from jax_hoccl._src.ops import async_collectives as ac
+from jax_hoccl._src.ops import async_collectives
 
 rows_matmul_p = ji.Primitive("hoccl_rows_matmul")
 # f32 stays with XLA's dot: its precision (TF32 or not) is XLA's choice, which a cuBLASLt call
@@ -49,7 +53,7 @@ def _reference(x, w, *rest, axes, axis_size, shift, block_rows, piece_row0, rows
   batch = w.shape[0] if w.ndim == 3 else 1
   xs = jax.lax.dynamic_slice_in_dim(x, start, batch * rows, axis=0)
   for token in rest[len(rest) - n_after:]:  # XLA's dot after them: its rows go through `after`
-    xs = ac.after(token, xs)
+    xs = async_collectives.after(token, xs)
   y = (jnp.matmul(xs.reshape(batch, rows, -1), w).reshape(batch * rows, -1) if w.ndim == 3
        else xs @ w)
   if has_c:
@@ -60,11 +64,9 @@ def _reference(x, w, *rest, axes, axis_size, shift, block_rows, piece_row0, rows
 
 
 def cublaslt_enabled() -> bool:
-  """On unless JAX_HOCCL_CUBLASLT=0 (read when a program is lowered). Inside matmul_psum's
-  ring on 2x H200 the cuBLASLt path took 1.24-1.28x / 1.21-1.24x the GEMM alone at
-  M = 4096 / 16384 in three runs, against 1.35-1.38x / 1.39-1.42x with XLA's dot + add
-  (benchmarks/results/2026-11-30-2xNVIDIA-H200-fused.json, raw/2026-11-30-2xH200-fused-*.log): XLA copies
-  x's row slices, runs the adds as separate kernels and merges pieces back together."""
+  """On unless JAX_HOCCL_CUBLASLT=0 (read when a program is lowered). With XLA's dot + add
+  instead, XLA copies x's row slices, runs the adds as separate kernels and merges pieces
+  back together (the comparison: docs/design.md, "Row pieces")."""
   return os.environ.get("JAX_HOCCL_CUBLASLT", "1") not in ("", "0")
 
 

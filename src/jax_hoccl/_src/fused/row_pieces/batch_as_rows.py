@@ -1,4 +1,6 @@
-"""vmap of a fused op as more rows of one call.
+"""vmap of a fused op as more rows of one call:
+
+    batch_as_rows(fn, x, w) == fn(x, w), and under jax.vmap == jax.vmap(fn)(x, w)
 
 Batched primitive by primitive, a fused op's GEMMs would become XLA's ops (rows_matmul's
 batching rule) writing into a buffer that async copies are still filling (matmul_psum's

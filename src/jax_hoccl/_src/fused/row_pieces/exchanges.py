@@ -1,11 +1,18 @@
 """The fused ops' building blocks on top of the async pairs (ops/async_collectives.py):
 exchanges whose result lands in rows of a larger buffer (a fused op assembles its output
 with them, no concatenate), and waits ordered after given arrays without returning them.
+
+    done(all_gather_into_start(x, axes, into, row)) == into.at[row : row + n*len(x)].set(
+                                                           all_gather(x, axes, tiled=True))
+    done(ppermute_into_start(x, axes, perm, into))  == into.at[src * len(x) : ...].set(
+                                                           ppermute(x, axes, perm))
+
   all_gather_into_start     all_gather into rows [row, ...) of a buffer (donated or new)
   all_gather_in_place_start all_gather of blocks every rank already wrote into its slot
   ppermute_into_start       a ppermute into the sender's slot (one round of an all_to_all)
   done_after / wait_after   done ordered after arrays it never reads (tokens, compute)
-Not public API: the fused ops (pipeline.py, ring.py, the ops' files) are their users.
+Not public API: the fused ops (row_pieces/pipeline.py, ring.py, the ops' files) are their
+users.
 """
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
-"""The reduce-scatter ring walked by one flagged GEMM (fused/flagged_gemm.py):
-matmul_reduce_scatter's forward pass on Hopper GPUs, and with the all-gather of every summed
-band, matmul_psum's.
+"""The flagged GEMM walking the reduce-scatter ring:
+
+    gemm_reduce_scatter(x, w, axes, n) == psum_scatter(x @ w, axes, tiled=True)
+    gemm_psum(x, w, axes, n)           == psum(x @ w, axes)
+
+One flagged GEMM (flagged/flagged_gemm.py): matmul_reduce_scatter's forward pass on Hopper
+GPUs, and with the all-gather of every summed band, matmul_psum's.
 
 Walk block j (R = M/n rows) of rank r is the partial sum of rank (r - 1 - j)'s block of the
 output: x's rows of that block times w, added (j >= 1) by the GEMM's stores into the partial
@@ -27,14 +31,14 @@ import numpy as np
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
-from jax_hoccl._src.fused import flagged_gemm as fg
-from jax_hoccl._src.ops import async_collectives as ac
+from jax_hoccl._src.fused.flagged import flagged_gemm
+from jax_hoccl._src.ops import async_collectives
 from jax_hoccl._src.ops import common
 from jax_hoccl._src.ops.async_collectives import Pending, start_attrs
 
 # Bands of at most this many per ring step: each is one exchange with its own host
-# rendezvous (~10-20 us of host time), and the first band's transfer is what the next step
-# waits for.
+# rendezvous (its host time: docs/design.md, section 8), and the first band's transfer is
+# what the next step waits for.
 MAX_BANDS_PER_STEP = 8
 MIN_BAND_ROWS = 256
 
@@ -54,7 +58,7 @@ def _abstract_eval(like, *, axes, axis_size, rows, band_rows, dtype, n_out, gath
   i32 = dict(dtype=np.dtype(np.int32), weak_type=False)
   last = block(n, vma - set(axes)) if gather else block(1)
   return [block(1), block(n - 2), ji.with_type(like, (n * rows // band_rows,), vma).update(**i32),
-          ji.with_type(like, (fg.ready_words(bands),), vma).update(**i32), last,
+          ji.with_type(like, (flagged_gemm.ready_words(bands),), vma).update(**i32), last,
           ji.with_type(like, (), vma).update(**i32)]
 
 
@@ -63,7 +67,7 @@ def _lowering(ctx, like, *, axes, axis_size, rows, band_rows, dtype, n_out, gath
   op = "matmul_psum" if gather else "matmul_reduce_scatter"
   return ffi_lower("hoccl_gemm_ring_start", op, ctx, like, **start_attrs(ctx, axes, op, site),
                    band_bytes=np.int64(band_rows * n_out * np.dtype(dtype).itemsize),
-                   flag_target=np.int64(fg.flag_target(n_out, band_rows)),
+                   flag_target=np.int64(flagged_gemm.flag_target(n_out, band_rows)),
                    gather=np.int64(gather))
 
 
@@ -73,7 +77,7 @@ ji.register_lowering(gemm_ring_start_p, _lowering, platform="cuda")
 
 def band_rows(rows: int) -> int | None:
   """Rows per band for blocks of `rows` rows, or None."""
-  for b in range(max(MIN_BAND_ROWS, rows // MAX_BANDS_PER_STEP), rows + 1, fg.TILE_M):
+  for b in range(max(MIN_BAND_ROWS, rows // MAX_BANDS_PER_STEP), rows + 1, flagged_gemm.TILE_M):
     if rows % b == 0:
       return b
   return None
@@ -83,8 +87,8 @@ def applies(x, w, n, op) -> bool:
   """Whether the flagged GEMM takes the ring for x [M, K] (per rank) @ w in the user's `op`."""
   m, k = x.shape
   return (n > 1 and m % n == 0 and band_rows(m // n) is not None
-          and fg.unsupported_reason(m, k, w.shape[1], x.dtype, None, w.dtype) is None
-          and fg.peer_wait_reason(op) is None)
+          and flagged_gemm.unsupported_reason(m, k, w.shape[1], x.dtype, None, w.dtype) is None
+          and flagged_gemm.peer_wait_reason(op) is None)
 
 
 SEND, LAST, RECV = 1, 2, 3  # the kernel's operands after x (recv only when n > 2)
@@ -94,12 +98,13 @@ def walk(n, gather=False):
   """Block j multiplies rank (r - 1 - j)'s rows of x, and from j = 1 adds into where rank
   r-1's partial of those rows landed (recv block j - 1, or last), after its arrival flags
   (ready block j - 1)."""
-  blocks = [fg.WalkBlock(a=fg.Rows(0, n - 1, by_rank=True), out=fg.Rows(SEND, 0), flag=True)]
+  Rows, WalkBlock = flagged_gemm.Rows, flagged_gemm.WalkBlock
+  blocks = [WalkBlock(a=Rows(0, n - 1, by_rank=True), out=Rows(SEND, 0), flag=True)]
   for j in range(1, n):
     last = j == n - 1
-    out = fg.Rows(LAST, 0, by_rank=gather) if last else fg.Rows(RECV, j - 1)
-    blocks.append(fg.WalkBlock(a=fg.Rows(0, (-1 - j) % n, by_rank=True), out=out, add=True,
-                               wait="out", ready_block=j - 1, flag=not last or gather))
+    out = Rows(LAST, 0, by_rank=gather) if last else Rows(RECV, j - 1)
+    blocks.append(WalkBlock(a=Rows(0, (-1 - j) % n, by_rank=True), out=out, add=True,
+                            wait="out", ready_block=j - 1, flag=not last or gather))
   return blocks
 
 
@@ -114,10 +119,11 @@ def _ring(x, w, axes, n, gather):
       x, axes=tuple(axes), axis_size=int(n), rows=rows, band_rows=band, dtype=np.dtype(x.dtype),
       n_out=nout, gather=bool(gather), site=site)
   operands = [x, send, last] + ([recv] if n > 2 else [])
-  kernel_token = fg.walk_matmul(w, operands, walk(n, gather), rows, rank=common.rank(axes),
-                                ready=ready, ready_rows=band, flags=flags, flag_rows=band)
+  kernel_token = flagged_gemm.walk_matmul(w, operands, walk(n, gather), rows,
+                                          rank=common.rank(axes), ready=ready, ready_rows=band,
+                                          flags=flags, flag_rows=band)
   # once the GEMM has summed into it (and, for matmul_psum, the peers' blocks have landed)
-  out, _ = ac.done(Pending(last, x, token, site, lambda b: b), kernel_token)
+  out, _ = async_collectives.done(Pending(last, x, token, site, lambda b: b), kernel_token)
   return out
 
 

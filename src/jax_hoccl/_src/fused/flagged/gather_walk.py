@@ -1,5 +1,10 @@
-"""all_gather(x) @ w as one flagged GEMM that multiplies the peers' rows as they land (the
-consumer side of fused/flagged_gemm.py): all_gather_matmul's forward pass on Hopper GPUs.
+"""The flagged GEMM walking the rows of an all_gather as they land:
+
+    gemm_as_rows_land(x, w, axes, n) == all_gather(x, axes, tiled=True) @ w
+
+One flagged GEMM (the consumer side of flagged/flagged_gemm.py) that multiplies the peers'
+rows as they land: all_gather_matmul's forward pass, and matmul_reduce_scatter's backward,
+on Hopper GPUs.
 
   start   the copy engines pull the peers' rows (ranks r+1, r+2, ... as all_gather's
           peers_only) into a buffer in chunks of READY_ROWS rows, each followed on the copying
@@ -12,14 +17,15 @@ consumer side of fused/flagged_gemm.py): all_gather_matmul's forward pass on Hop
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
-from jax_hoccl._src.fused import flagged_gemm as fg
+from jax_hoccl._src.fused.flagged import flagged_gemm
 from jax_hoccl._src.ops import common
-from jax_hoccl._src.ops import async_collectives as ac
+from jax_hoccl._src.ops import async_collectives
 from jax_hoccl._src.ops.async_collectives import Pending, start_attrs
 
 # Rows per announced chunk: small enough that the first peer tile waits little after my own
@@ -35,7 +41,7 @@ def _abstract_eval(x, *, axes, axis_size, ready_rows, site):
   vma = ji.varying_axes(x)
   rows = (axis_size - 1) * x.shape[0]
   gathered = ji.with_type(x, (axis_size - 1, *x.shape), vma)
-  ready = ji.with_type(x, (fg.ready_words(rows // ready_rows),), vma).update(
+  ready = ji.with_type(x, (flagged_gemm.ready_words(rows // ready_rows),), vma).update(
       dtype=np.dtype(np.int32), weak_type=False)
   token = ji.with_type(x, (), vma).update(dtype=np.dtype(np.int32), weak_type=False)
   return [gathered, ready, token]
@@ -53,32 +59,43 @@ ji.register_lowering(announced_gather_start_p, _lowering, platform="cuda")
 
 
 def applies(x, w, n) -> bool:
-  """Whether the flagged GEMM takes all_gather_matmul(x, w) (x 2-D [m, K] per rank)."""
+  """Whether the flagged GEMM takes all_gather(x) @ w (x [m, ..., K] per rank)."""
+  x = x.reshape(-1, x.shape[-1])
   m, k = x.shape
   return (n > 1 and m % READY_ROWS == 0
-          and fg.unsupported_reason(n * m, k, w.shape[1], x.dtype, None, w.dtype) is None
-          and fg.peer_wait_reason(OP) is None)
+          and flagged_gemm.unsupported_reason(n * m, k, w.shape[1], x.dtype, None, w.dtype)
+          is None
+          and flagged_gemm.peer_wait_reason(OP) is None)
 
 
 def walk(n):
   """My rows first (nothing to wait for), then the peers' (ranks r+1, ...) as they land; walk
   block j is rank (r + j)'s rows of the output."""
-  return [fg.WalkBlock(a=fg.Rows(0, 0), out=fg.Rows(fg.RESULT, 0, by_rank=True))] + [
-      fg.WalkBlock(a=fg.Rows(1, j - 1), out=fg.Rows(fg.RESULT, j, by_rank=True), wait="a",
-                   ready_block=j - 1)
+  Rows, WalkBlock, RESULT = flagged_gemm.Rows, flagged_gemm.WalkBlock, flagged_gemm.RESULT
+  return [WalkBlock(a=Rows(0, 0), out=Rows(RESULT, 0, by_rank=True))] + [
+      WalkBlock(a=Rows(1, j - 1), out=Rows(RESULT, j, by_rank=True), wait="a",
+                ready_block=j - 1)
       for j in range(1, n)]
 
 
-def gather_into_gemm(x, w, axes, n):
-  """(all_gather(x) @ w in rank order, the peers' rows [n-1, m, K] rotated as peers_only).
-  x is 2-D [m, K]; applies(x, w, n) must hold."""
+def gemm_as_rows_land(x, w, axes, n, *, with_rows=False):
+  """Returns all_gather(x) @ w in rank order, [n*m, ..., N], and, with_rows, the gathered
+  rows of x in rank order (the backward pass's; else None). x is [m, ..., K]; applies(x, w, n)
+  must hold."""
+  x_nd, x = x, x.reshape(-1, x.shape[-1])
   x = common.ensure_varying(x, axes, OP)
   with axes_lib.user_op(OP):  # errors name the op the user called
     site = axes_lib.new_site()
   gathered, ready, token = announced_gather_start_p.bind(
       x, axes=tuple(axes), axis_size=int(n), ready_rows=READY_ROWS, site=site)
-  out = fg.walk_matmul(w, [x, gathered.reshape(-1, x.shape[1])], walk(n), x.shape[0],
-                       result=(n * x.shape[0], x.dtype), rank=common.rank(axes), ready=ready,
-                       ready_rows=READY_ROWS)
-  peers, out = ac.done(Pending(gathered, x, token, site, lambda b: b), out)  # after the GEMM
-  return out, peers
+  out = flagged_gemm.walk_matmul(w, [x, gathered.reshape(-1, x.shape[1])], walk(n), x.shape[0],
+                                 result=(n * x.shape[0], x.dtype), rank=common.rank(axes),
+                                 ready=ready, ready_rows=READY_ROWS)
+  # the peers' rows [n-1, m, K], rotated as peers_only; the done after the GEMM
+  peers, out = async_collectives.done(Pending(gathered, x, token, site, lambda b: b), out)
+  out = out.reshape(n * x_nd.shape[0], *x_nd.shape[1:-1], w.shape[-1])
+  if not with_rows:
+    return out, None
+  r = common.rank(axes)
+  rows = jnp.roll(jnp.concatenate([x_nd[None], peers.reshape(n - 1, *x_nd.shape)]), r, axis=0)
+  return out, rows.reshape(-1, *x_nd.shape[1:])

@@ -1,13 +1,16 @@
 """The schedule shared by the fused ops that compute a block per destination rank (an
 all_to_all of computed blocks, split by shift):
 
+    compute_all_to_all(compute, select, axes, n)
+        == all_to_all(stack([compute(select(j)) for j in range(n)]), axes, 0, 0)
+
     for k in 1..n-1:  compute the block for rank (r+k) % n, start sending it (shift by k)
     compute my own block, into my slot of the output, while the last blocks are in flight
     wait for everything
 
 Every start is a ppermute_into_start: the received block lands in its sender's slot of one
 output buffer that the starts pass along (an `into` chain), so the output needs no stack or
-gather afterwards (on 2x H200 that gather was a third of matmul_all_to_all's overhead).
+gather afterwards (which cost a large part of matmul_all_to_all's overhead: docs/design.md).
 
 Order by data dependencies only (async_collectives explains why): the compute after a start
 takes its token (a rows_matmul operand, or its inputs through `after`), and the wait takes the
@@ -19,9 +22,9 @@ from typing import Callable
 
 import jax
 
-from jax_hoccl._src.fused import ring
-from jax_hoccl._src.fused import exchanges as ex
-from jax_hoccl._src.ops import async_collectives as ac
+from jax_hoccl._src.fused.row_pieces import exchanges
+from jax_hoccl._src.fused.row_pieces.overlap import Overlap
+from jax_hoccl._src.ops import async_collectives
 from jax_hoccl._src.ops import common
 
 
@@ -33,19 +36,19 @@ def all_to_all_by_shifts(peer_block: Callable, own_into: Callable, axes, n: int,
   peer_block(k, after) -> the [rows, ...] block for rank (r + k) % n, computed after `after`
   (a tuple of tokens, empty for the first). own_into(buffer, after) -> buffer with my own
   block written into slot r (buffer: the output the starts fill, donated)."""
-  ov = ring.Overlap()
+  ov = Overlap()
   starts, buf = [], out_shape
   for k in range(1, n):
     block = ov.computed(peer_block(k, ov.gemm_after()))
     shift = [(i, (i + k) % n) for i in range(n)]
-    starts.append(ov.start(ex.ppermute_into_start(block, axes, shift, buf)))
+    starts.append(ov.start(exchanges.ppermute_into_start(block, axes, shift, buf)))
     buf = starts[-1].buffer
   out = ov.computed(own_into(buf, ov.gemm_after()))
   for p in starts[:-1]:  # waits after my own block, so XLA's stream computes it first
     ov.wait(p)
   last = starts[-1]  # its done returns the buffer: my block, and every received one
-  return ex.done_after(ac.Pending(out, last.input, last.token, last.site, last.finish),
-                       ov.token)
+  pending = async_collectives.Pending(out, last.input, last.token, last.site, last.finish)
+  return exchanges.done_after(pending, ov.token)
 
 
 def own_by_update(compute: Callable, select: Callable, axes):
@@ -54,7 +57,7 @@ def own_by_update(compute: Callable, select: Callable, axes):
   compute into where it can)."""
   def own_into(buf, after):
     r = common.rank(axes)
-    mine = compute(ac.after(after[0], select(r)) if after else select(r))
+    mine = compute(async_collectives.after(after[0], select(r)) if after else select(r))
     return jax.lax.dynamic_update_slice_in_dim(buf, mine.astype(buf.dtype),
                                                r * mine.shape[0], axis=0)
   return own_into
@@ -67,7 +70,7 @@ def peer_by_compute(compute: Callable, select: Callable, axes, n: int):
   def peer_block(k, after):
     r = common.rank(axes)
     sel = select((r + k) % n)
-    return compute(ac.after(after[0], sel) if after else sel)
+    return compute(async_collectives.after(after[0], sel) if after else sel)
   return peer_block
 
 

@@ -1,6 +1,10 @@
-"""The flagged GEMM: x @ w (or out += x @ w) on a Hopper GPU as one persistent Pallas Mosaic
-GPU kernel that tells the copy engines which rows are done, and waits for rows that the copy
-engines bring in. The fused ops (all_gather_matmul, matmul_reduce_scatter, matmul_psum) are
+"""The flagged GEMM:
+
+    walk_matmul(w, operands, walk, R, ...) == for each walk block j (R rows):
+                                                  out_j = a_j @ w   (add: out_j += a_j @ w)
+
+x @ w (or out += x @ w) on a Hopper GPU as one persistent Pallas Mosaic GPU kernel that tells
+the copy engines which rows are done, and waits for rows that the copy engines bring in. The fused ops (all_gather_matmul, matmul_reduce_scatter, matmul_psum) are
 walks of it.
 
 - A walk: the output rows are computed block after block (R rows each, WalkBlock), each
@@ -57,17 +61,16 @@ TILE_N = 128          # columns per compute warpgroup; a CTA tile is 2 * TILE_N 
 TILE_K = 64
 EPI = 64              # epilogue sub-tile (rows and columns) staged through shared memory
 PIPELINE_STEPS = 4    # k-steps of a and b in flight
-BAND_TILES = 8        # row tiles per band of the walk (best of 4/8/16 on H200, docs/design.md)
+BAND_TILES = 8        # row tiles per band of the walk (docs/design.md, section 8)
 COMPUTE_WGS = 2
 # k-steps whose wgmma may still run when the next is issued (their a and w stay in shared
-# memory that long). On H200 1 took the kernel from 0.983x to 0.993x XLA's dot (4096x8192x8192,
-# flags on), and it hides the flags' cost; clusters of two CTAs sharing w by multicast, and
-# raising the flag early in the next tile's mainloop, were slower
-# (benchmarks/results/raw/2026-12-01-1xH200-gemm-variants.txt).
+# memory that long). One hides the flags' cost; clusters of two CTAs sharing w by multicast,
+# and raising the flag early in the next tile's mainloop, were slower (the measurements:
+# benchmarks/README.md, "The flagged GEMM on one GPU").
 WGMMA_IN_FLIGHT = 1
 # Scope of a flag's release. The readers are copy engines (of this GPU, or a peer's pulling
 # over NVLink), which read through this GPU's L2, so "gpu" orders the rows before the flag for
-# them; "sys" (host-visible ordering) cost ~0.5% more of the GEMM's time on H200.
+# them; "sys" (host-visible ordering) costs more of the GEMM's time (benchmarks/README.md).
 FLAG_SCOPE = "gpu"
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
@@ -147,9 +150,9 @@ _COMPUTE_BARRIER = 8
 def _raise_flag(flag_ref, ordered: bool):
   """flags += 1 for this CTA tile, after both compute warpgroups' stores are in memory: each
   waits for its TMA stores and fences the async proxy, the two meet at a named barrier, and
-  one thread releases the add. (On H200 one release per warpgroup and tile cost ~1.2% of the
-  GEMM's time, one per CTA tile 0.5-0.9%; a relaxed add measured like no raise but orders
-  nothing: benchmarks/probe_flag_cost.py.)
+  one thread releases the add. (One release per CTA tile rather than per warpgroup, because
+  the release is what costs; a relaxed add would cost nothing but orders nothing:
+  benchmarks/README.md, benchmarks/probe_flag_cost.py.)
 
   ordered=False: raised before the tile is even computed, only by the test that proves the
   ordering matters (a copy started on such a flag sees stale rows)."""
@@ -313,7 +316,7 @@ def _kernel_body(lay: _Layout, *refs):
     rank = rank_gmem[0] if rank_gmem is not None else None
     # A tile's flag is raised (after its stores complete) at the start of the next tile's
     # epilogue, once its mainloop gave the stores time to land: raising it right after the
-    # stores makes the warpgroup wait for them, ~1% of the GEMM's time on H200. It is raised
+    # stores makes the warpgroup wait for them (benchmarks/README.md). It is raised
     # before anything in that epilogue waits (a flag held behind a wait could wait for a peer
     # that waits for this flag); in a walk whose tiles wait for rows of `a`, before their
     # mainloop, it is raised at once.

@@ -1,4 +1,8 @@
-"""Reduce-scatter of a matmul's partial products around the ring (matmul_psum's first half).
+"""Reduce-scatter of a matmul's partial products around the ring, in row pieces:
+
+    reduce_scatter_ring(x, w, axes, n, ...) == psum_scatter(x @ w, axes, tiled=True)
+
+matmul_reduce_scatter's row-piece form, and matmul_psum's first half.
 
 Row block b of x @ w is summed over the ranks by carrying it around the ring: at step s
 (0..n-1) rank r multiplies its rows of block (r - s - 1) % n, adds the partial sum rank r-1
@@ -17,16 +21,13 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from jax_hoccl._src.fused.rows_matmul import rows_matmul
-from jax_hoccl._src.fused import exchanges as ex
-from jax_hoccl._src.ops import async_collectives as ac
+from jax_hoccl._src.fused.row_pieces.overlap import Overlap
+from jax_hoccl._src.fused.row_pieces.rows_matmul import rows_matmul
+from jax_hoccl._src.ops import async_collectives
 
-# Every piece costs a ppermute and an all-gather on the async stream, each ~30-60 us of fixed
-# handshakes, and small GEMMs lose efficiency; too few pieces expose a big last transfer.
-# Measured on 2x H200 with rows_matmul's cuBLASLt GEMMs, K/n=4096, N=8192 bf16
-# (benchmarks/results/raw/2026-11-30-2xH200-fused-4b04e51.log and -fused-66dfbb6.log, two interleaved runs): a 32 MiB block in 2 / 4 / 8 pieces
-# took 1.27-1.29 / 1.23-1.27 / 1.61x the GEMM, a 128 MiB block 1.29-1.30 / 1.26 / 1.25-1.26x;
-# so pieces of ~8 MiB, at most 8.
+# Every piece costs a ppermute and an all-gather on the async stream, each with fixed
+# handshakes, and small GEMMs lose efficiency; too few pieces expose a big last transfer. So
+# pieces of ~8 MiB, at most 8 (the measurement: docs/design.md, "Row pieces").
 PIECE_BYTES = 8 << 20
 MAX_PIECES = 8
 
@@ -60,49 +61,6 @@ def checked_chunks(chunks, rows: int, op: str):
   return chunks
 
 
-class Overlap:
-  """Orders GEMMs (rows_matmul custom calls) against async exchanges by data dependencies
-  only, so that nothing is copied: a GEMM takes the latest start's token as an operand it
-  never reads (it runs after that start, overlapping the copies), and a done or wait takes the
-  token and the latest GEMM's result the same way (it runs after that GEMM instead of being
-  hoisted above it, where it would stall XLA's stream). Optimization barriers do not do this
-  on GPU: XLA removes them before scheduling (measured: GEMMs above their starts, dones above
-  their GEMMs)."""
-
-  def __init__(self):
-    self.token = None
-    self.last = None
-
-  def gemm_after(self) -> tuple:
-    """What the next GEMM must follow (its `after` operands)."""
-    return () if self.token is None else (self.token,)
-
-  def computed(self, result):
-    """Records `result` (a GEMM just issued): the next done or wait follows it."""
-    self.last = result
-    return result
-
-  def start(self, pending: ac.Pending) -> ac.Pending:
-    """Records a start that sends the latest GEMM's result: its token follows that GEMM, so
-    the next done or wait needs only the token. (Also taking the result would make XLA copy
-    it when the start donates it, as an in-place gather does; and the async copies would then
-    write into the buffer XLA dropped.)"""
-    self.token, self.last = pending.token, None
-    return pending
-
-  def _wait_after(self) -> tuple:
-    return tuple(a for a in (self.token, self.last) if a is not None)
-
-  def done(self, pending: ac.Pending):
-    after = self._wait_after()
-    return ex.done_after(pending, *after) if after else ac.done(pending)[0]
-
-  def wait(self, pending: ac.Pending):
-    """done for a start whose buffer went on to a later start of an `into` chain: what
-    comes after (the next wait, the final done) is ordered after it."""
-    self.token = ex.wait_after(pending, *self._wait_after())
-
-
 def reduce_scatter_ring(x, w, axes, n: int, pieces: Sequence[int], layout: Callable,
                         out_layout: Callable, on_sum: Callable | None = None):
   """My block of x @ w summed over the ranks, in pieces. Returns the array the last summed
@@ -126,7 +84,7 @@ def reduce_scatter_ring(x, w, axes, n: int, pieces: Sequence[int], layout: Calla
                   c=received, after=ov.gemm_after())
       if s < n - 1:
         part = ov.computed(rows_matmul(x, w, axes, n, **args))
-        in_flight[p] = ov.start(ac.ppermute_start(part, axes, to_next, order_input=False))
+        in_flight[p] = ov.start(async_collectives.ppermute_start(part, axes, to_next, order_input=False))
         continue
       out_rows, row0, slot_rows = out_layout(p)
       out = ov.computed(rows_matmul(x, w, axes, n, into=out, out_rows=out_rows,
