@@ -19,8 +19,11 @@ def t(f, *args):
   return statistics.median(profiler.measure(f, iterations=20)(*args)[1]) * 1e3
 
 
-def ones_ready(count):  # uint64 flags whose low words are 1, then the tile claims (zero)
-  return jnp.zeros((fg.ready_words(count),), jnp.int32).at[:2 * count:2].set(1)
+def ones_ready(one, count):
+  """uint64 flags whose low words are `one` (1), then the tile claims, zero: made inside each
+  call from a traced `one`, so every call counts its claims from zero (a constant would be one
+  buffer for every call)."""
+  return jnp.zeros((fg.ready_words(count),), jnp.int32).at[:2 * count:2].set(one)
 
 
 def programs(m_total, n):
@@ -39,11 +42,12 @@ def programs(m_total, n):
                                     (x, w, c))}
   m = m_total // n
   own, gathered = x[:m], x[m:]
-  ready = ones_ready((n - 1) * m // gig.READY_ROWS)
+  one = jnp.ones((), jnp.int32)
+  count = (n - 1) * m // gig.READY_ROWS
   p[f"all_gather_matmul walk n={n}"] = (jax.jit(
-      lambda own, g, w, ready: fg.walk_matmul(
-          w, [own, g], gig.walk(n), m, result=(n * m, bf), rank=0, ready=ready,
-          ready_rows=gig.READY_ROWS)), (own, gathered, w, ready))
+      lambda own, g, w, one: fg.walk_matmul(
+          w, [own, g], gig.walk(n), m, result=(n * m, bf), rank=0, ready=ones_ready(one, count),
+          ready_rows=gig.READY_ROWS)), (own, gathered, w, one))
   rows = m_total // n
   band = gr.band_rows(rows)
   send = jnp.zeros((rows, N), bf)
@@ -52,12 +56,12 @@ def programs(m_total, n):
     name = "matmul_psum" if gather else "matmul_reduce_scatter"
     last = jnp.zeros(((n if gather else 1) * rows, N), bf)
     ring_flags = jnp.zeros((n * rows // band,), jnp.int32)
-    ring_ready = ones_ready((n - 1) * rows // band)
+    bands = (n - 1) * rows // band
     p[f"{name} walk n={n}"] = (jax.jit(
-        lambda x, w, s, l, r, f, rd, gather=gather: fg.walk_matmul(
+        lambda x, w, s, l, r, f, one, gather=gather: fg.walk_matmul(
             w, [x, s, l] + ([r] if n > 2 else []), gr.walk(n, gather), rows, rank=0,
-            ready=rd, ready_rows=band, flags=f, flag_rows=band)),
-        (x, w, send, last, recv, ring_flags, ring_ready))
+            ready=ones_ready(one, bands), ready_rows=band, flags=f, flag_rows=band)),
+        (x, w, send, last, recv, ring_flags, one))
   return p
 
 
