@@ -24,6 +24,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 from jax_hoccl.launch import end_group, local_address, mps_daemon, start_group
@@ -87,15 +88,21 @@ WORKER = textwrap.dedent("""
 def _run(n: int, env: dict):
   """The rows of one job of n processes (the slowest rank's times), and the platform."""
   addr = local_address()
-  procs = start_group([[sys.executable, "-c", WORKER, str(n), str(i), addr] for i in range(n)],
-                      [env] * n, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  try:
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-  finally:
-    end_group(procs)
+  with tempfile.TemporaryDirectory() as tmp:
+    script = os.path.join(tmp, "per_call_worker.py")
+    with open(script, "w") as f:
+      f.write(WORKER)
+    procs = start_group([[sys.executable, "-P", script, str(n), str(i), addr] for i in range(n)],
+                        [{**env, "PYTHONFAULTHANDLER": "1"}] * n, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True)
+    try:
+      outs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+      end_group(procs)
   results = [json.loads(o.split("RESULT")[1].splitlines()[0]) for o in outs if "RESULT" in o]
   if len(results) != n:
-    raise RuntimeError("\n".join(o[-2000:] for o in outs))
+    raise RuntimeError("\n".join(f"process {i} (exit {p.returncode}):\n{o[-2000:]}"
+                                 for i, (p, o) in enumerate(zip(procs, outs))))
   if env.get("JAX_HOCCL_PROFILE"):
     return results[0]["rows"], results[0]["platform"]  # rank 0's phases
   rows = []
