@@ -58,6 +58,11 @@ def mps_daemon():
   full = {**os.environ, **env}
   try:
     subprocess.run(["nvidia-cuda-mps-control", "-d"], env=full, check=True, timeout=60)
+  except (OSError, subprocess.SubprocessError):
+    for d in env.values():
+      shutil.rmtree(d, ignore_errors=True)
+    raise
+  try:
     yield env
   finally:
     subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env=full,
@@ -105,7 +110,13 @@ def main(argv=None) -> int:
     ap.error("--nproc must be >= 1")
   gpus = len(glob.glob("/dev/nvidia[0-9]*"))
   with contextlib.ExitStack() as stack:
-    shared = stack.enter_context(mps_daemon()) if 0 < gpus < a.nproc else {}
+    shared = {}
+    if 0 < gpus < a.nproc:
+      try:
+        shared = stack.enter_context(mps_daemon())
+      except (OSError, subprocess.SubprocessError) as e:  # no MPS here: the GPU time-slices
+        print(f"jax_hoccl.launch: no MPS daemon ({e}); the processes take turns on GPU 0",
+              file=sys.stderr)
     return _run(a, gpus, shared)
 
 
