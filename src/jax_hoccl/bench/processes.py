@@ -80,7 +80,7 @@ WORKER = textwrap.dedent("""
         for op in json.loads(os.environ["OPS"]):
             rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n,
                              us_per_call=per_call(bodies[op], nbytes), baseline_us_per_call=base))
-    print("RESULT" + json.dumps({"rows": rows, "platform": jax.devices()[0].platform}))
+    print("RESULT" + json.dumps({"rows": rows, "platform": jax.devices()[0].platform}), flush=True)
     os._exit(0)
 """)
 
