@@ -182,18 +182,10 @@ def run_processes(tmp_path, worker: str, timeout: float, n: int = 2, env=None,
                   drop=("XLA_FLAGS", "JAX_HOCCL_NODE")):
   """Runs `worker` as processes 0..n-1 of a jax.distributed job on localhost (argv: address,
   process id, n) with this environment less `drop`, plus `env`; their outputs."""
-  from jax_hoccl.launch import end_group, local_address, start_group
-  script = tmp_path / "worker.py"
-  script.write_text(worker)
-  addr = local_address()
+  from jax_hoccl.launch import run_workers
   base = {k: v for k, v in os.environ.items() if k not in drop}
-  procs = start_group(
-      [[sys.executable, "-P", str(script), addr, str(i), str(n)] for i in range(n)],
-      [{**base, **(env or {})}] * n, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  try:
-    return [p.communicate(timeout=timeout)[0] for p in procs]
-  finally:
-    end_group(procs)
+  return [out for _, out in run_workers(worker, n, {**base, **(env or {})}, timeout,
+                                        directory=str(tmp_path))]
 
 
 def shared_memory_left():

@@ -93,6 +93,28 @@ def end_group(procs) -> None:
     p.wait()
 
 
+def run_workers(source: str, n: int, env: dict, timeout: float,
+                directory: str | None = None) -> list[tuple[int, str]]:
+  """Runs the Python program `source` as processes 0..n-1 of a jax.distributed job on this
+  machine (argv: coordinator address, process id, n), one process group ended whole; each
+  process's (exit status, output). The program is written to `directory`/worker.py (kept, to
+  rerun by hand), else to a temp folder removed afterwards."""
+  address = local_address()
+  with contextlib.ExitStack() as stack:
+    tmp = directory or stack.enter_context(tempfile.TemporaryDirectory())
+    script = os.path.join(tmp, "worker.py")
+    with open(script, "w") as f:
+      f.write(source)
+    procs = start_group([[sys.executable, "-P", script, address, str(i), str(n)]
+                         for i in range(n)], [env] * n, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True)
+    try:
+      outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+      end_group(procs)
+  return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
 def _pump(stream, prefix: str) -> None:
   for line in stream:
     sys.stdout.write(prefix + line)

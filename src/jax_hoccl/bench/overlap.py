@@ -18,10 +18,10 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import textwrap
 
-from jax_hoccl.launch import end_group, local_address, mps_daemon, start_group
+from jax_hoccl.bench import ranks
+from jax_hoccl.launch import mps_daemon, run_workers
 
 RANKS = 2
 ROUNDS = 5
@@ -29,7 +29,7 @@ ROUNDS = 5
 WORKER = textwrap.dedent("""
     import json, os, sys
     import jax
-    me, n, addr = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    addr, me, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     jax.distributed.initialize(addr, num_processes=n, process_id=me, local_device_ids=[0])
     import numpy as np, jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -94,23 +94,8 @@ def run(out_dir: str, commit: str, sm_percent: int = 100 // RANKS) -> str:
              XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.8 / RANKS:.2f}",
              XLA_FLAGS="--xla_gpu_shard_autotuning=false")
   with mps_daemon() as mps:
-    addr = local_address()
-    procs = start_group([[sys.executable, "-c", WORKER, str(i), str(RANKS), addr]
-                         for i in range(RANKS)], [{**env, **mps}] * RANKS,
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-      outs = [p.communicate(timeout=900)[0] for p in procs]
-    finally:
-      end_group(procs)
-  results = [json.loads(o.split("RESULT")[1].splitlines()[0]) for o in outs if "RESULT" in o]
-  if len(results) != RANKS:
-    raise RuntimeError("\n".join(o[-3000:] for o in outs))
-  rows = []
-  for per_rank in zip(*results):  # the slower rank's times
-    row = dict(per_rank[0])
-    row["fused_us"] = max(r["fused_us"] for r in per_rank)
-    row["reference_us"] = max(r["reference_us"] for r in per_rank)
-    rows.append(row)
+    found = ranks.results(run_workers(WORKER, RANKS, {**env, **mps}, 900))
+  rows = ranks.slowest(found, ("fused_us", "reference_us"))
   import jax
   gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                         capture_output=True, text=True).stdout.split("\n")[:1]

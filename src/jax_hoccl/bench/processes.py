@@ -22,19 +22,17 @@ import glob
 import json
 import os
 import platform
-import subprocess
-import sys
-import tempfile
 import textwrap
 
-from jax_hoccl.launch import end_group, local_address, mps_daemon, start_group
+from jax_hoccl.bench import ranks
+from jax_hoccl.launch import mps_daemon, run_workers
 
 OPS = ("psum", "all_gather", "ppermute")
 BYTES_PER_RANK = (4 << 10, 64 << 10, 1 << 20)
 
 WORKER = textwrap.dedent("""
     import json, os, sys, time
-    n, me, addr = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    addr, me, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     import jax
     kw = {"local_device_ids": [0]} if os.environ.get("BENCH_GPU") else {}
     jax.distributed.initialize(addr, num_processes=n, process_id=me, **kw)
@@ -87,31 +85,11 @@ WORKER = textwrap.dedent("""
 
 def _run(n: int, env: dict):
   """The rows of one job of n processes (the slowest rank's times), and the platform."""
-  addr = local_address()
-  with tempfile.TemporaryDirectory() as tmp:
-    script = os.path.join(tmp, "per_call_worker.py")
-    with open(script, "w") as f:
-      f.write(WORKER)
-    procs = start_group([[sys.executable, "-P", script, str(n), str(i), addr] for i in range(n)],
-                        [{**env, "PYTHONFAULTHANDLER": "1"}] * n, stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, text=True)
-    try:
-      outs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:
-      end_group(procs)
-  results = [json.loads(o.split("RESULT")[1].splitlines()[0]) for o in outs if "RESULT" in o]
-  if len(results) != n:
-    raise RuntimeError("\n".join(f"process {i} (exit {p.returncode}):\n{o[-2000:]}"
-                                 for i, (p, o) in enumerate(zip(procs, outs))))
+  found = ranks.results(run_workers(WORKER, n, {**env, "PYTHONFAULTHANDLER": "1"}, 600))
   if env.get("JAX_HOCCL_PROFILE"):
-    return results[0]["rows"], results[0]["platform"]  # rank 0's phases
-  rows = []
-  for per_rank in zip(*(r["rows"] for r in results)):
-    row = dict(per_rank[0])
-    for key in ("us_per_call", "baseline_us_per_call"):
-      row[key] = max(r[key] for r in per_rank)
-    rows.append(row)
-  return rows, results[0]["platform"]
+    return found[0]["rows"], found[0]["platform"]  # rank 0's phases
+  return (ranks.slowest([r["rows"] for r in found], ("us_per_call", "baseline_us_per_call")),
+          found[0]["platform"])
 
 
 def run(out_dir: str, commit: str) -> str:

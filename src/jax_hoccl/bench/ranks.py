@@ -1,0 +1,27 @@
+"""The results of a benchmark's workers run as ranks (launch.run_workers): each prints one line
+"RESULT" + JSON; the slowest rank's times are the job's."""
+from __future__ import annotations
+
+import json
+
+
+def results(runs) -> list:
+  """Each rank's JSON from run_workers' (exit status, output) pairs; fails with every rank's
+  exit status and output's tail when one printed none."""
+  found = [json.loads(out.split("RESULT")[1].splitlines()[0]) for _, out in runs
+           if "RESULT" in out]
+  if len(found) != len(runs):
+    raise RuntimeError("\n".join(f"process {i} (exit {code}):\n{out[-2000:]}"
+                                 for i, (code, out) in enumerate(runs)))
+  return found
+
+
+def slowest(rows_per_rank, keys) -> list[dict]:
+  """Rank 0's rows with each of `keys` the largest over the ranks (rows in the same order)."""
+  rows = []
+  for per_rank in zip(*rows_per_rank):
+    row = dict(per_rank[0])
+    for key in keys:
+      row[key] = max(r[key] for r in per_rank)
+    rows.append(row)
+  return rows
