@@ -119,6 +119,11 @@ std::string Communicator::Fail(const std::string& msg) {
   return msg;
 }
 
+void Communicator::Break(const std::string& msg) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Fail(msg);
+}
+
 std::string Communicator::Broken() {
   std::lock_guard<std::mutex> lock(mu_);
   return broken_;

@@ -61,6 +61,9 @@ class Communicator {
 
   // Error text if an earlier timeout broke this communicator, else "".
   std::string Broken();
+  // Breaks it with `msg` (kept if it was already broken): a failure seen outside the
+  // rendezvous (the staged path's watchdog, cuda/staged/watchdog.h).
+  void Break(const std::string& msg);
 
   // The CPU engine's rendezvous, which blocks no thread: XLA:CPU runs every device's thunks
   // on one shared pool, and handlers that block waiting for peers can take all its threads

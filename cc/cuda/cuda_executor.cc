@@ -15,9 +15,11 @@
 #include <set>
 #include <utility>
 
+#include "cuda/cuda_util.h"
 #include "cuda/driver_api.h"
-#include "cuda/transport/transport_direct.h"
-#include "cuda/transport/transport_ipc.h"
+#include "cuda/rank_state.h"
+#include "cuda/staged/staged_exchange.h"
+#include "cuda/stream_mem_ops.h"
 #include "host_profile.h"
 #include "job.h"
 
@@ -29,35 +31,6 @@ size_t BlockBytes(const OpSpec& spec) {
   if (spec.op == OpKind::kAllToAll) return spec.group_size > 0 ? spec.bytes / spec.group_size : 0;
   return spec.bytes;
 }
-
-namespace {
-
-// An integer >= `min` from the environment, or `fallback`.
-long long EnvInt(const char* name, long long fallback, long long min = 1) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  long long x = std::strtoll(v, &end, 10);
-  return (end && *end == '\0' && x >= min) ? x : fallback;
-}
-
-bool DebugEnabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("JAX_HOCCL_DEBUG");
-    return v && *v && std::strcmp(v, "0") != 0;
-  }();
-  return enabled;
-}
-
-#define HOCCL_TRACE(...)                                \
-  do {                                                  \
-    if (DebugEnabled()) {                               \
-      std::fprintf(stderr, "[jax_hoccl] " __VA_ARGS__); \
-      std::fflush(stderr);                              \
-    }                                                   \
-  } while (0)
-
-}  // namespace
 
 // The copy layout's overrides, read once at the first collective (0: not set).
 struct CopyLayoutEnv {
@@ -92,87 +65,6 @@ std::string Prefix(const OpSpec& spec, const char* op, int device) {
          std::to_string(device) + "): ";
 }
 
-std::string CudaError(const char* call, cudaError_t e) {
-  return std::string(call) + " failed: " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
-}
-
-#define HOCCL_CUDA_RETURN(call)                                     \
-  do {                                                              \
-    cudaError_t hoccl_e_ = (call);                                  \
-    if (hoccl_e_ != cudaSuccess) return CudaError(#call, hoccl_e_); \
-  } while (0)
-
-CUdeviceptr DevPtr(const uint64_t* p) {
-  return static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(p));
-}
-
-// Consecutive stream memory operations on one stream: one cuStreamWriteValue64 /
-// cuStreamWaitValue64 each, or all as one cuStreamBatchMemOp where the driver has it (on
-// H200 the two measured the same within noise, benchmarks/results/raw/
-// 2026-11-30-2xH200-probe_op_cost-batch-memops-on-off.txt; one call is fewer host calls).
-class MemOps {
- public:
-  MemOps(const DriverApi& api, cudaStream_t stream) : api_(api), stream_(stream) {}
-
-  void Write(uint64_t* addr, uint64_t value) {
-    CUstreamBatchMemOpParams p;
-    std::memset(&p, 0, sizeof(p));
-    p.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-    p.writeValue.address = DevPtr(addr);
-    p.writeValue.value64 = value;
-    p.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;  // fenced after earlier work
-    ops_.push_back(p);
-  }
-  void Wait(uint64_t* addr, uint64_t value) {
-    CUstreamBatchMemOpParams p;
-    std::memset(&p, 0, sizeof(p));
-    p.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-    p.waitValue.address = DevPtr(addr);
-    p.waitValue.value64 = value;
-    p.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
-    ops_.push_back(p);
-  }
-
-  std::string Flush() {
-    if (ops_.empty()) return "";
-    HostTimer timer("api: stream memops");
-    std::string err;
-    CUstream s = reinterpret_cast<CUstream>(stream_);
-    if (ops_.size() > 1 && api_.batch_mem_op) {
-      constexpr size_t kMaxBatch = 256;  // cuStreamBatchMemOp's limit per call
-      for (size_t i = 0; i < ops_.size() && err.empty(); i += kMaxBatch) {
-        unsigned count = static_cast<unsigned>(std::min(kMaxBatch, ops_.size() - i));
-        CUresult r = api_.batch_mem_op(s, count, ops_.data() + i, 0);
-        if (r != CUDA_SUCCESS) err = api_.Describe("cuStreamBatchMemOp", r);
-      }
-    } else {
-      for (const CUstreamBatchMemOpParams& p : ops_) {
-        CUresult r;
-        if (p.operation == CU_STREAM_MEM_OP_WRITE_VALUE_64) {
-          r = api_.write_value64(s, p.writeValue.address, p.writeValue.value64, p.writeValue.flags);
-          if (r != CUDA_SUCCESS) {
-            err = api_.Describe("cuStreamWriteValue64", r);
-            break;
-          }
-        } else {
-          r = api_.wait_value64(s, p.waitValue.address, p.waitValue.value64, p.waitValue.flags);
-          if (r != CUDA_SUCCESS) {
-            err = api_.Describe("cuStreamWaitValue64", r);
-            break;
-          }
-        }
-      }
-    }
-    ops_.clear();
-    return err;
-  }
-
- private:
-  const DriverApi& api_;
-  cudaStream_t stream_;
-  std::vector<CUstreamBatchMemOpParams> ops_;
-};
-
 // ---------------------------------------------------------------- per-device resources
 
 // Side streams and events of one device, created once and reused by every call (the
@@ -202,86 +94,6 @@ std::string InitResources(DeviceResources& r) {  // requires r.mu; current devic
   for (int i = 0; i < kMaxSideStreams; ++i)
     HOCCL_CUDA_RETURN(cudaEventCreateWithFlags(&r.join[i], cudaEventDisableTiming));
   r.initialized = true;
-  return "";
-}
-
-// ---------------------------------------------------------------- per-(communicator, rank)
-
-struct RankState {
-  std::mutex mu;
-  bool ready = false;
-  std::string setup_error;            // a failed setup is final
-  uint64_t* flags = nullptr;          // mine: kLanes x [ready_from[n], done_from[n]]
-  std::vector<uint64_t*> peer_flags;  // every rank's flag array, by rank
-};
-
-RankState& RankStateFor(const Communicator* comm, int rank) {
-  static std::mutex mu;
-  static auto* all =
-      new std::map<std::pair<const Communicator*, int>, std::unique_ptr<RankState>>();
-  std::lock_guard<std::mutex> lock(mu);
-  auto& s = (*all)[{comm, rank}];
-  if (!s) s = std::make_unique<RankState>();
-  return *s;
-}
-
-// Turns on peer access from `device` (current) to `peer`; XLA usually did already.
-std::string EnablePeerAccess(int device, int peer) {
-  static std::mutex mu;
-  static auto* done = new std::set<std::pair<int, int>>();
-  std::lock_guard<std::mutex> lock(mu);
-  if (device == peer || done->count({device, peer})) return "";
-  int can = 0;
-  HOCCL_CUDA_RETURN(cudaDeviceCanAccessPeer(&can, device, peer));
-  if (!can) {
-    return "CUDA device " + std::to_string(device) + " cannot access device " +
-           std::to_string(peer) +
-           " as a peer (no NVLink/PCIe P2P); the copy-engine collectives need peer access";
-  }
-  cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
-  if (e == cudaErrorPeerAccessAlreadyEnabled) {
-    cudaGetLastError();  // clear it
-  } else if (e != cudaSuccess) {
-    return CudaError("cudaDeviceEnablePeerAccess", e);
-  }
-  done->insert({device, peer});
-  return "";
-}
-
-std::string SetupRank(RankState& st, PeerTransport& transport, const OpSpec& spec, int device,
-                      cudaStream_t stream) {
-  const int n = spec.group_size;
-  const char* op = OpName(spec.op);
-  std::string err;
-  // Allocate and zero my flags before anyone can learn their address.
-  size_t bytes = (kLanes * 2 * static_cast<size_t>(n) * sizeof(uint64_t) + 255) / 256 * 256;
-  void* p = nullptr;
-  cudaError_t e = cudaSuccess;
-  err = transport.AllocFlags(bytes, &p);
-  if (err.empty()) {
-    e = cudaMemsetAsync(p, 0, bytes, stream);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
-    if (e != cudaSuccess) err = CudaError("cudaMemsetAsync/cudaStreamSynchronize(flags)", e);
-  }
-  // Publish even on failure (as null) so peers fail fast instead of timing out.
-  std::vector<uint64_t*> all;
-  std::string xerr = transport.ExchangeFlags(
-      spec.rank, err.empty() ? static_cast<uint64_t*>(p) : nullptr, &all, op);
-  if (!err.empty()) return err;
-  if (!xerr.empty()) return xerr;
-  for (int q = 0; q < n; ++q) {
-    if (!all[q]) {
-      return "rank " + std::to_string(q) +
-             " of the group failed its one-time setup (see its error)";
-    }
-    if (q == spec.rank || !transport.NeedsPeerAccess()) continue;
-    cudaPointerAttributes attr;
-    HOCCL_CUDA_RETURN(cudaPointerGetAttributes(&attr, all[q]));
-    err = EnablePeerAccess(device, attr.device);
-    if (!err.empty()) return err;
-  }
-  st.flags = static_cast<uint64_t*>(p);
-  st.peer_flags = std::move(all);
   return "";
 }
 
@@ -422,19 +234,6 @@ std::string EnqueueMultiStream(const CallContext& c, DeviceResources& res) {
   return xla_ops.Flush();
 }
 
-std::string CurrentDevice(cudaStream_t stream, int* device) {
-#if CUDART_VERSION >= 12080
-  HOCCL_CUDA_RETURN(cudaStreamGetDevice(stream, device));
-  int current = -1;
-  HOCCL_CUDA_RETURN(cudaGetDevice(&current));
-  if (current != *device) HOCCL_CUDA_RETURN(cudaSetDevice(*device));
-#else
-  (void)stream;
-  HOCCL_CUDA_RETURN(cudaGetDevice(device));
-#endif
-  return "";
-}
-
 }  // namespace
 
 ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream, const void* input,
@@ -462,33 +261,16 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   if (!err.empty()) return {ErrorKind::kInternal, std::string("jax_hoccl ") + op + ": " + err};
   const std::string prefix = Prefix(spec, op, device);
   HOCCL_TRACE("%s rank %d: CUDA device %d\n", op, spec.rank, device);
-  // Peers in this process: their buffers' addresses are ours. Else the node's IPC transport.
-  static const long long spin_us = EnvInt("JAX_HOCCL_SPIN_US", kDefaultSpinMicros, 0);
-  DirectTransport direct(comm, spin_us);
-  std::unique_ptr<PeerTransport> ipc;
-  if (!AllLocal(comm.device_ids())) {
-    err = IpcTransport::Make(comm, device, op, &ipc);
-    if (!err.empty()) return {ErrorKind::kUnavailable, prefix + err};
+  RankState* rs = nullptr;
+  err = GetRankState(comm, spec, device, stream, op, &rs);
+  if (!err.empty()) {
+    ErrorKind k = comm.Broken().empty() ? ErrorKind::kInternal : ErrorKind::kDeadline;
+    return {k, prefix + err};
   }
-  PeerTransport& transport = ipc ? *ipc : static_cast<PeerTransport&>(direct);
-
-  RankState& st = RankStateFor(&comm, spec.rank);
-  {
-    std::lock_guard<std::mutex> lock(st.mu);
-    if (!st.ready && st.setup_error.empty()) {
-      err = SetupRank(st, transport, spec, device, stream);
-      if (err.empty())
-        st.ready = true;
-      else
-        st.setup_error = err;
-      HOCCL_TRACE("%s rank %d: setup flags %p -> '%s'\n", op, spec.rank,
-                  static_cast<void*>(st.flags), err.c_str());
-    }
-    if (!st.ready) {
-      ErrorKind k = comm.Broken().empty() ? ErrorKind::kInternal : ErrorKind::kDeadline;
-      return {k, prefix + st.setup_error};
-    }
-  }
+  RankState& st = *rs;
+  if (!announce && st.progress && StagedEligible(spec))
+    return RunStaged(comm, st, spec, stream, input, output, lane, op);
+  PeerTransport& transport = *st.transport;
 
   const int n = spec.group_size, r = spec.rank;
   std::vector<Step> steps;

@@ -9,7 +9,9 @@
 // Peers' memory comes through a PeerTransport (peer_transport.h): in one process the
 // per-device handlers swap this call's buffer addresses in the host rendezvous
 // (transport_direct.h); across processes of a node they map each other's allocations
-// (transport_ipc.h).
+// (transport_ipc.h). Blocks up to the crossover go the staged path instead (cuda/staged/:
+// copied through slots every peer mapped once, no host rendezvous); this file is the
+// zero-copy path of larger ones.
 //
 // Flags of rank r (uint64, n = group size, on r's device), values are call sequence + 1 and
 // only ever grow, so nothing is reset. One row of 2n flags per lane (see kLanes):
@@ -26,6 +28,7 @@
 #include <vector>
 
 #include "communicator.h"
+#include "cuda/rank_state.h"
 #include "cuda/transport/peer_transport.h"
 #include "plan.h"
 
@@ -41,10 +44,6 @@ constexpr int kMaxSideStreams = 3;
 // Default number of channels for large messages (capped by the number of copies a rank does).
 constexpr int kLargeMessageChannels = 3;
 
-// Microseconds a handler spins on the host rendezvous before blocking on a condition variable;
-// env JAX_HOCCL_SPIN_US overrides (0 = never spin).
-constexpr long long kDefaultSpinMicros = 200;
-
 // A wait on a flag (value >= this call's) means "the peer's call of this sequence number, or
 // a later one, got there"; that implies this call only if the peer runs the calls that share
 // the flag in order, i.e. on one stream. So every stream that runs collectives concurrently
@@ -52,8 +51,7 @@ constexpr long long kDefaultSpinMicros = 200;
 // async starts' streams. (With one row, a collective on XLA's stream between an async start
 // and its done could raise a peer's "done" flag before the start's copies had finished
 // reading, and XLA could reuse that buffer too early.) Every rank puts a call in the same lane.
-constexpr int kMaxAsyncLanes = 4;
-constexpr int kLanes = 1 + kMaxAsyncLanes;
+// (kLanes: cuda/rank_state.h.)
 
 enum class ErrorKind { kNone, kInvalidArgument, kDeadline, kInternal, kUnavailable };
 
@@ -83,9 +81,9 @@ struct Announce {
 };
 
 // Enqueues `spec` for spec.rank on `stream` (XLA's stream of the current device, lane 0, or
-// an async start's stream, its lane). Returns once everything is enqueued; by then the host
-// rendezvous with every involved peer has happened. `user_op` names the op in errors (the
-// user's, e.g. "psum (all_gather)"; default the mover's).
+// an async start's stream, its lane). Returns once everything is enqueued; on the zero-copy
+// path the host rendezvous with every involved peer has happened by then. `user_op` names the op in
+// errors (the user's, e.g. "psum (all_gather)"; default the mover's).
 ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream, const void* input,
                      void* output, int lane = 0, const std::string& user_op = "",
                      const Announce* announce = nullptr);

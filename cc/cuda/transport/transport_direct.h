@@ -14,7 +14,7 @@ namespace hoccl {
 
 class DirectTransport : public PeerTransport {
  public:
-  // spin_us: how long to spin for a peer before sleeping (cuda_executor.h, kDefaultSpinMicros).
+  // spin_us: how long to spin for a peer before sleeping (cuda/rank_state.cc, kDefaultSpinMicros).
   DirectTransport(Communicator& comm, long long spin_us) : comm_(comm), spin_us_(spin_us) {}
   std::string AllocFlags(size_t bytes, void** flags) override;
   std::string ExchangeFlags(int rank, uint64_t* my_flags, std::vector<uint64_t*>* all,

@@ -1,0 +1,162 @@
+#include "cuda/staged/staged_exchange.h"
+
+#include <cuda.h>
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda/cuda_util.h"
+#include "cuda/driver_api.h"
+#include "cuda/staged/staged_layout.h"
+#include "cuda/staged/watchdog.h"
+#include "cuda/stream_mem_ops.h"
+#include "host_profile.h"
+
+namespace hoccl {
+namespace {
+
+constexpr uint64_t kSizeMask = (uint64_t{1} << 48) - 1;
+
+struct CopyList {
+  std::vector<void*> dst;
+  std::vector<const void*> src;
+  std::vector<size_t> bytes;
+  void Add(void* d, const void* s, size_t b) {
+    dst.push_back(d);
+    src.push_back(s);
+    bytes.push_back(b);
+  }
+};
+
+// One host call for the lot where it can: cudaMemcpyBatchAsync (sources read in stream order).
+std::string Enqueue(CopyList& copies, cudaStream_t stream) {
+  if (copies.dst.empty()) return "";
+  HostTimer timer("api: staged copies");
+  if (copies.dst.size() == 1) {
+    HOCCL_CUDA_RETURN(
+        cudaMemcpyAsync(copies.dst[0], copies.src[0], copies.bytes[0], cudaMemcpyDefault, stream));
+    return "";
+  }
+#if CUDART_VERSION >= 13000
+  cudaMemcpyAttributes attr = {};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  size_t attr_index = 0;
+  HOCCL_CUDA_RETURN(cudaMemcpyBatchAsync(copies.dst.data(), copies.src.data(), copies.bytes.data(),
+                                         copies.dst.size(), &attr, &attr_index, 1, stream));
+#else
+  for (size_t i = 0; i < copies.dst.size(); ++i)
+    HOCCL_CUDA_RETURN(
+        cudaMemcpyAsync(copies.dst[i], copies.src[i], copies.bytes[i], cudaMemcpyDefault, stream));
+#endif
+  return "";
+}
+
+// The rank that sends to `rank` in a permute, or -1.
+int PermuteSource(const OpSpec& spec, int rank) {
+  for (int s = 0; s < spec.group_size; ++s)
+    if (spec.permute_dst[s] == rank) return s;
+  return -1;
+}
+
+}  // namespace
+
+bool StagedEligible(const OpSpec& spec) {
+  const size_t slot = StagedSlotBytes();
+  if (!slot || spec.group_size < 2 || spec.peers_only || spec.at_source_slot || spec.in_place)
+    return false;
+  return BlockBytes(spec) <= slot;
+}
+
+uint64_t StagedFlagValue(const OpSpec& spec) {
+  return (uint64_t{1} << 63) | (static_cast<uint64_t>(spec.op) + 1) << 48 |
+         (BlockBytes(spec) & kSizeMask);
+}
+
+std::string DescribeStagedFlag(uint64_t value) {
+  const int op = static_cast<int>((value >> 48) & 0x7fff) - 1;
+  if (!(value >> 63) || op < 0 || op > static_cast<int>(OpKind::kPermute))
+    return "an unknown call (flag " + std::to_string(value) + ")";
+  return std::string(OpName(static_cast<OpKind>(op))) + " of " + std::to_string(value & kSizeMask) +
+         "-byte blocks";
+}
+
+ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cudaStream_t stream,
+                     const void* input, void* output, int lane, const char* op) {
+  HostTimer timer("staged");
+  const int n = spec.group_size, r = spec.rank;
+  const size_t block = BlockBytes(spec);
+  StagedLane& sl = st.staged[lane];
+  const uint64_t call = sl.calls;
+  const int parity = static_cast<int>(call & 1);
+  const uint64_t value = StagedFlagValue(spec);
+  // Far ahead of the GPU: wait for it (the watchdog's records of the oldest call stay).
+  while (call - st.progress[lane] >= StagedLane::kNamed) {
+    std::string broken = comm.Broken();
+    if (!broken.empty()) return {ErrorKind::kDeadline, broken};
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  std::strncpy(sl.names[call % StagedLane::kNamed], op, sizeof(sl.names[0]) - 1);
+  sl.values[call % StagedLane::kNamed] = value;
+  if (!st.watched) {
+    WatchStaged(&comm, &st, r);
+    st.watched = true;
+  }
+  char* mine = st.peer_base[r];
+  const char* in = static_cast<const char*>(input);
+  char* out = static_cast<char*>(output);
+
+  // 1. Pushes into the peers' slots, with my own block's local copy.
+  CopyList push, pull;
+  int source = -1;  // permute: who sends to me
+  if (spec.op == OpKind::kPermute) {
+    const int dst = spec.permute_dst[r];
+    if (dst == r)
+      push.Add(out, in, block);
+    else if (dst >= 0)
+      push.Add(StagedSlot(st.peer_base[dst], n, lane, parity, r), in, block);
+    source = PermuteSource(spec, r);
+    if (source >= 0 && source != r) pull.Add(out, StagedSlot(mine, n, lane, parity, source), block);
+  } else {
+    const bool all_to_all = spec.op == OpKind::kAllToAll;
+    for (int k = 1; k < n; ++k) {
+      const int d = (r + k) % n;
+      push.Add(StagedSlot(st.peer_base[d], n, lane, parity, r), in + (all_to_all ? d * block : 0),
+               block);
+      pull.Add(out + d * block, StagedSlot(mine, n, lane, parity, d), block);
+    }
+    if (!spec.skip_own) push.Add(out + r * block, in + (all_to_all ? r * block : 0), block);
+  }
+  std::string err = Enqueue(push, stream);
+  // 2-3. One batch: raise every peer's flag, wait for every peer's, reset mine; then say so.
+  if (err.empty()) {
+    MemOps ops(GetDriverApi(), stream);
+    for (int k = 1; k < n; ++k)
+      ops.Write(StagedFlag(st.peer_base[(r + k) % n], n, lane, parity, r), value);
+    for (int k = 1; k < n; ++k)
+      ops.Wait(StagedFlag(mine, n, lane, parity, (r + k) % n), value, /*equal=*/true);
+    for (int k = 1; k < n; ++k) ops.Write(StagedFlag(mine, n, lane, parity, (r + k) % n), 0);
+    ops.WriteDevice(st.progress_device + lane * sizeof(uint64_t), call + 1);
+    err = ops.Flush();
+  }
+  // 4. Copies out of my slots (a permute nobody sends to is zero-filled, like jax.lax's).
+  if (err.empty()) err = Enqueue(pull, stream);
+  if (err.empty() && spec.op == OpKind::kPermute && source < 0) {
+    cudaError_t e = cudaMemsetAsync(out, 0, block, stream);
+    if (e != cudaSuccess) err = CudaError("cudaMemsetAsync", e);
+  }
+  // Counted even after an error: whatever was enqueued is the watchdog's to see through.
+  sl.calls = call + 1;
+  sl.enqueued.store(call + 1, std::memory_order_release);
+  if (!err.empty()) {
+    const std::string msg =
+        std::string("jax_hoccl ") + op + " (rank " + std::to_string(r) + ", staged): " + err;
+    comm.Break(msg);
+    return {ErrorKind::kInternal, msg};
+  }
+  return ExecStatus::Ok();
+}
+
+}  // namespace hoccl

@@ -1,0 +1,38 @@
+// The staged one-hop path of the CUDA engine (docs/design.md, "The staged path"): a block of
+// at most StagedSlotBytes() moves through slots in the receiver's memory that every peer
+// mapped once (cuda/rank_state.h), so a call needs no host rendezvous: it enqueues its pushes
+// into the peers' slots, one batch of flag operations (raise every peer's ready flag, wait for
+// and reset mine) and its copies out of its own slots, on the call's stream, and returns.
+// Every call of a parity enqueues the same device work with the same flag values. A host
+// watchdog (watchdog.h) reports and releases waits on a peer that never comes.
+#ifndef JAX_HOCCL_STAGED_EXCHANGE_H_
+#define JAX_HOCCL_STAGED_EXCHANGE_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "communicator.h"
+#include "cuda/cuda_executor.h"
+#include "cuda/rank_state.h"
+#include "plan.h"
+
+namespace hoccl {
+
+// Whether `spec` goes the staged path: a plain all_gather, all_to_all or permute (skip_own
+// allowed) of two or more ranks whose block fits a slot. The same on every rank of a call.
+bool StagedEligible(const OpSpec& spec);
+
+// The ready flag's value for `spec`: nonzero, and naming the op and the block's size, so a
+// peer at another call shows as a mismatch instead of a silent exchange of wrong bytes.
+uint64_t StagedFlagValue(const OpSpec& spec);
+// "all_gather of 4096 bytes" for a value StagedFlagValue made.
+std::string DescribeStagedFlag(uint64_t value);
+
+// Enqueues spec.rank's part on `stream` (lane `lane`); `op` is the user's op for messages.
+ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cudaStream_t stream,
+                     const void* input, void* output, int lane, const char* op);
+
+}  // namespace hoccl
+
+#endif  // JAX_HOCCL_STAGED_EXCHANGE_H_
