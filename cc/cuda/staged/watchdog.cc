@@ -85,21 +85,26 @@ void Release(const Watched& w, int lane, uint64_t call) {
   cudaStreamSynchronize(s);
 }
 
-std::string Who(const Communicator& comm, const std::vector<int>& ranks) {
+// The pid of the process that holds rank q's device, when another process of this node does.
+int PeerPid(const Communicator& comm, int q) {
   const JobInfo job = Job();
+  const int process = ProcessOf(comm.device_ids()[q]);
+  if (process == job.process_index || process < 0 ||
+      process >= static_cast<int>(job.process_pids.size()))
+    return 0;
+  return job.process_pids[process];
+}
+
+bool Exited(int pid) { return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH; }
+
+std::string Who(const Communicator& comm, const std::vector<int>& ranks) {
   std::string out;
   for (int q : ranks) {
-    const int64_t id = comm.device_ids()[q];
     out += (out.empty() ? "" : ", ") + std::string("rank ") + std::to_string(q) + " (device " +
-           std::to_string(id);
-    const int process = ProcessOf(id);
-    if (process != job.process_index && process >= 0 &&
-        process < static_cast<int>(job.process_pids.size())) {
-      const int pid = job.process_pids[process];
-      const bool gone = pid > 0 && kill(pid, 0) != 0 && errno == ESRCH;
-      out += ", process " + std::to_string(process) + " pid " + std::to_string(pid) +
-             (gone ? ", which has exited" : "");
-    }
+           std::to_string(comm.device_ids()[q]);
+    if (const int pid = PeerPid(comm, q))
+      out += ", process " + std::to_string(ProcessOf(comm.device_ids()[q])) + " pid " +
+             std::to_string(pid) + (Exited(pid) ? ", which has exited" : "");
     out += ")";
   }
   return out;
@@ -142,22 +147,30 @@ void Check(Watched& w, int lane, Clock::time_point now) {
       for (int q = 0; q < w.comm->size(); ++q) {
         if (q == w.rank || flags[q] == 0 || flags[q] == expected) continue;
         Fire(w, lane, done,
-             "mismatch: " + Who(*w.comm, {q}) + " is in " + DescribeStagedFlag(flags[q]) +
-                 " at the same point, this rank in " + DescribeStagedFlag(expected));
+             "mismatched collectives: " + Who(*w.comm, {q}) + " is in " +
+                 DescribeStagedFlag(flags[q]) + " at the same point, this rank in " +
+                 DescribeStagedFlag(expected));
         Release(w, lane, done);
         return;
       }
-      if (seconds >= TimeoutSeconds()) {
-        std::vector<int> missing;
-        for (int q = 0; q < w.comm->size(); ++q)
-          if (q != w.rank && flags[q] == 0) missing.push_back(q);
-        char waited[32];
-        std::snprintf(waited, sizeof waited, "%.1f", seconds);
+      std::vector<int> missing, exited;
+      for (int q = 0; q < w.comm->size(); ++q) {
+        if (q == w.rank || flags[q] != 0) continue;
+        missing.push_back(q);
+        if (Exited(PeerPid(*w.comm, q))) exited.push_back(q);
+      }
+      if (!exited.empty()) {
         Fire(w, lane, done,
-             std::string("timed out after ") + waited + " s (JAX_HOCCL_TIMEOUT_S) waiting on " +
-                 "the GPU for " +
+             "lost its peer(s) while waiting on the GPU: the process of " + Who(*w.comm, exited) +
+                 " exited");
+        Release(w, lane, done);
+      } else if (seconds >= TimeoutSeconds()) {
+        Fire(w, lane, done,
+             "timed out after " + std::to_string(static_cast<int>(TimeoutSeconds())) +
+                 " s (JAX_HOCCL_TIMEOUT_S) waiting on the GPU for " +
                  (missing.empty() ? std::string("its peers") : Who(*w.comm, missing)) +
-                 " to reach this call");
+                 " to reach this call; every peer must call the same collectives in the same "
+                 "order");
         Release(w, lane, done);
       }
     }
