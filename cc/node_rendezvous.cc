@@ -191,6 +191,8 @@ bool ProcessExited(int pid) {
 
 }  // namespace
 
+bool PeerProcessExited(int pid) { return ProcessExited(pid); }
+
 std::string NodeRendezvous::Get(const std::vector<int64_t>& device_ids, const char* op,
                                 NodeRendezvous** out) {
   static std::mutex mu;

@@ -107,6 +107,9 @@ class NodeRendezvous {
   std::map<std::pair<int, uint64_t>, uint64_t> counts_;
 };
 
+// Whether process `pid` is gone, or a zombie its parent has not reaped yet.
+bool PeerProcessExited(int pid);
+
 // Names of shared memory this process created and has not yet unlinked (tests: nothing is
 // left behind); unlinks them all.
 std::vector<std::string> LinkedSharedMemory();

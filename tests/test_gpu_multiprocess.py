@@ -399,11 +399,11 @@ STAGED_WORKER = PRELUDE + textwrap.dedent("""
             assert got.shape == want.shape and err <= tol, (i, np.dtype(dtype).name, err)
     print("OK staged beside zero copy", flush=True)
 
-    # a loop of psums: the lane's calls alternate parities across iterations
+    # a loop of ppermutes: the lane's calls alternate parities across iterations
     x = np.full((n, 32), me + 1.0, np.float32)
-    loop = fn(lambda v: jax.lax.fori_loop(0, 37, lambda i, a: jax_hoccl.psum(a, "tp") / n, v))
+    loop = fn(lambda v: jax.lax.fori_loop(0, 37, lambda i, a: jax_hoccl.ppermute(a, "tp", shift) + 1, v))
     got = mine(loop(shard(x)))
-    assert np.allclose(got, sum(range(1, n + 1)) / n), got[0, :4]
+    assert np.allclose(got, (me - 37) % n + 1 + 37), got[0, :4]
     # an async pair around a sync call: lanes 0 and 1
     def pair(v):
         pending = jax_hoccl.psum_start(v, "tp")
@@ -427,6 +427,8 @@ STAGED_WORKER = PRELUDE + textwrap.dedent("""
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss
     assert len(os.listdir("/proc/self/fd")) <= fds + 2 and _hoccl.live_peer_mappings() == maps
     assert grown < 64 * 1024, grown  # KiB
+    lanes = _hoccl.staged_lanes()  # the watchdog's view: the GPU got past every call
+    assert lanes and all(enq == done for _, _, enq, done in lanes), lanes
     print(f"OK staged 10000 calls, max RSS grew {grown} KiB", flush=True)
     print("GPU_MP_OK", flush=True)
     os._exit(0)

@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/ipc_memory.h"
+#include "cuda/staged/watchdog.h"
 #endif
 #include "ffi/handlers.h"
 #include "host_profile.h"
@@ -130,6 +131,8 @@ NB_MODULE(_hoccl, m) {
   m.def("host_profile", &hoccl::HostProfileSnapshot, nb::arg("reset") = false,
         "(phase, calls, ns) of host time inside the handlers; set JAX_HOCCL_PROFILE=1 first");
 #ifdef JAX_HOCCL_WITH_CUDA
+  m.def("staged_lanes", &hoccl::StagedLanes,
+        "(rank, lane, calls enqueued, calls the GPU got past) of every staged lane used");
   m.def("live_peer_mappings", &hoccl::LivePeerMappings,
         "peer allocations of other processes mapped by this one (cc/ipc_memory.h)");
   m.def(

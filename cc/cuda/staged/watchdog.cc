@@ -1,9 +1,7 @@
 #include "cuda/staged/watchdog.h"
 
 #include <cuda_runtime_api.h>
-#include <signal.h>
 
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -17,6 +15,7 @@
 #include "cuda/staged/staged_exchange.h"
 #include "cuda/staged/staged_layout.h"
 #include "job.h"
+#include "node_rendezvous.h"
 
 namespace hoccl {
 namespace {
@@ -66,6 +65,7 @@ std::string ReadFlags(const Watched& w, int lane, int parity, std::vector<uint64
                                     StagedFlag(w.st->peer_base[w.rank], n, lane, parity, 0),
                                     n * sizeof(uint64_t), cudaMemcpyDeviceToHost, s));
   HOCCL_CUDA_RETURN(cudaStreamSynchronize(s));
+  HOCCL_TRACE("watchdog: rank %d lane %d read its flags\n", w.rank, lane);
   return "";
 }
 
@@ -83,6 +83,8 @@ void Release(const Watched& w, int lane, uint64_t call) {
     if (q != w.rank)
       cudaMemcpyAsync(mine + q, &values[q], sizeof(uint64_t), cudaMemcpyHostToDevice, s);
   cudaStreamSynchronize(s);
+  HOCCL_TRACE("watchdog: rank %d lane %d released call %llu\n", w.rank, lane,
+              static_cast<unsigned long long>(call));
 }
 
 // The pid of the process that holds rank q's device, when another process of this node does.
@@ -95,7 +97,7 @@ int PeerPid(const Communicator& comm, int q) {
   return job.process_pids[process];
 }
 
-bool Exited(int pid) { return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH; }
+bool Exited(int pid) { return PeerProcessExited(pid); }
 
 std::string Who(const Communicator& comm, const std::vector<int>& ranks) {
   std::string out;
@@ -142,6 +144,9 @@ void Check(Watched& w, int lane, Clock::time_point now) {
   const double seconds = std::chrono::duration<double>(stuck).count();
   if (stuck >= kCheckFlags && now - lw.checked >= kCheckFlags) {
     lw.checked = now;
+    HOCCL_TRACE("watchdog: rank %d lane %d stands at call %llu of %llu for %.1f s\n", w.rank, lane,
+                static_cast<unsigned long long>(done), static_cast<unsigned long long>(enqueued),
+                seconds);
     std::vector<uint64_t> flags;
     if (ReadFlags(w, lane, static_cast<int>(done & 1), &flags).empty()) {
       for (int q = 0; q < w.comm->size(); ++q) {
@@ -198,6 +203,22 @@ void WatchStaged(Communicator* comm, RankState* st, int rank) {
   w->st = st;
   w->rank = rank;
   All().push_back(std::move(w));
+}
+
+}  // namespace hoccl
+
+namespace hoccl {
+
+std::vector<std::tuple<int, int, uint64_t, uint64_t>> StagedLanes() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  std::vector<std::tuple<int, int, uint64_t, uint64_t>> out;
+  for (auto& w : All())
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const uint64_t enqueued = w->st->staged[lane].enqueued.load(std::memory_order_acquire);
+      if (enqueued && w->st->progress)
+        out.emplace_back(w->rank, lane, enqueued, w->st->progress[lane]);
+    }
+  return out;
 }
 
 }  // namespace hoccl

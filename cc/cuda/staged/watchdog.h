@@ -10,6 +10,10 @@
 #ifndef JAX_HOCCL_STAGED_WATCHDOG_H_
 #define JAX_HOCCL_STAGED_WATCHDOG_H_
 
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
 #include "communicator.h"
 #include "cuda/rank_state.h"
 
@@ -17,6 +21,10 @@ namespace hoccl {
 
 // Watches rank `rank`'s staged lanes in `comm` from now on (once per rank state).
 void WatchStaged(Communicator* comm, RankState* st, int rank);
+
+// (rank, lane, calls enqueued, calls the GPU got past) of every watched lane used so far
+// (tests: after a block_until_ready the two are equal).
+std::vector<std::tuple<int, int, uint64_t, uint64_t>> StagedLanes();
 
 }  // namespace hoccl
 
