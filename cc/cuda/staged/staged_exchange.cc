@@ -32,12 +32,13 @@ struct CopyList {
 };
 
 // One host call for the lot where it can: cudaMemcpyBatchAsync (sources read in stream order).
-std::string Enqueue(CopyList& copies, cudaStream_t stream) {
+// `kind`: cudaMemcpyDeviceToDevice for copies within my device (no pointer lookup), else
+// cudaMemcpyDefault.
+std::string Enqueue(CopyList& copies, cudaStream_t stream, cudaMemcpyKind kind) {
   if (copies.dst.empty()) return "";
   HostTimer timer("api: staged copies");
   if (copies.dst.size() == 1) {
-    HOCCL_CUDA_RETURN(
-        cudaMemcpyAsync(copies.dst[0], copies.src[0], copies.bytes[0], cudaMemcpyDefault, stream));
+    HOCCL_CUDA_RETURN(cudaMemcpyAsync(copies.dst[0], copies.src[0], copies.bytes[0], kind, stream));
     return "";
   }
 #if CUDART_VERSION >= 13000
@@ -48,8 +49,7 @@ std::string Enqueue(CopyList& copies, cudaStream_t stream) {
                                          copies.dst.size(), &attr, &attr_index, 1, stream));
 #else
   for (size_t i = 0; i < copies.dst.size(); ++i)
-    HOCCL_CUDA_RETURN(
-        cudaMemcpyAsync(copies.dst[i], copies.src[i], copies.bytes[i], cudaMemcpyDefault, stream));
+    HOCCL_CUDA_RETURN(cudaMemcpyAsync(copies.dst[i], copies.src[i], copies.bytes[i], kind, stream));
 #endif
   return "";
 }
@@ -129,7 +129,7 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
     }
     if (!spec.skip_own) push.Add(out + r * block, in + (all_to_all ? r * block : 0), block);
   }
-  std::string err = Enqueue(push, stream);
+  std::string err = Enqueue(push, stream, cudaMemcpyDefault);
   // 2-3. One batch: raise every peer's flag, wait for every peer's, reset mine; then say so.
   if (err.empty()) {
     MemOps ops(GetDriverApi(), stream);
@@ -142,7 +142,7 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
     err = ops.Flush();
   }
   // 4. Copies out of my slots (a permute nobody sends to is zero-filled, like jax.lax's).
-  if (err.empty()) err = Enqueue(pull, stream);
+  if (err.empty()) err = Enqueue(pull, stream, cudaMemcpyDeviceToDevice);
   if (err.empty() && spec.op == OpKind::kPermute && source < 0) {
     cudaError_t e = cudaMemsetAsync(out, 0, block, stream);
     if (e != cudaSuccess) err = CudaError("cudaMemsetAsync", e);
