@@ -259,13 +259,12 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   int device = -1;
   err = CurrentDevice(stream, &device);
   if (!err.empty()) return {ErrorKind::kInternal, std::string("jax_hoccl ") + op + ": " + err};
-  const std::string prefix = Prefix(spec, op, device);
   HOCCL_TRACE("%s rank %d: CUDA device %d\n", op, spec.rank, device);
   RankState* rs = nullptr;
   err = GetRankState(comm, spec, device, stream, op, &rs);
   if (!err.empty()) {
     ErrorKind k = comm.Broken().empty() ? ErrorKind::kInternal : ErrorKind::kDeadline;
-    return {k, prefix + err};
+    return {k, Prefix(spec, op, device) + err};
   }
   RankState& st = *rs;
   if (!announce && st.progress && StagedEligible(spec))
@@ -327,7 +326,7 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   transport.Release(seq, r);
   HOCCL_TRACE("%s rank %d: seq %llu enqueued '%s'\n", op, r, static_cast<unsigned long long>(seq),
               err.c_str());
-  if (!err.empty()) return {ErrorKind::kInternal, prefix + err};
+  if (!err.empty()) return {ErrorKind::kInternal, Prefix(spec, op, device) + err};
   return ExecStatus::Ok();
 }
 
