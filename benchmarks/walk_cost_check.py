@@ -6,12 +6,14 @@ cost, in under four minutes:
      comparing one tile per claim with groups of two at M = 4096;
   3. `python -m jax_hoccl.bench --gemm-only`: the flagged GEMM against XLA's dot at its three
      shapes ("gemm" rows);
-  4. the walk's band height (flagged_gemm.BAND_TILES) at 4096x4096x8192, side by side.
+  4. tile configurations of the flagged GEMM at 4096x4096x8192, side by side: the band
+     height (flagged_gemm.BAND_TILES), and a whole tile staged for the epilogue with a k-step
+     less in flight (EPI_SLOTS = 4, PIPELINE_STEPS = 3: the stores no longer wait for smem).
 
 Each step runs in its own process under its own time limit (a hang costs only its step).
 Everything lands in OUT (default $OUT, else benchmarks/results/raw): the steps' logs, their
 JSONs, and DATE-1xGPU-walk-cost.json with all rows, machine, versions and commit. Prints a
-table last, and which claim group and band height won. From the repository root, with the
+table last, and which claim group and configuration won. From the repository root, with the
 extension built into src/jax_hoccl/:
 
   PYTHONPATH=src python benchmarks/walk_cost_check.py
@@ -30,8 +32,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET_S = 235
 GROUPS = "1,2"
-BANDS = (4, 8, 16)
-BAND_SHAPE = (4096, 4096, 8192)
+# the module's own first
+CONFIGS = ({}, {"BAND_TILES": 4}, {"BAND_TILES": 16}, {"EPI_SLOTS": 4, "PIPELINE_STEPS": 3})
+CONFIG_SHAPE = (4096, 4096, 8192)
 
 
 def run_step(name, argv, limit_s, out):
@@ -52,23 +55,33 @@ def run_step(name, argv, limit_s, out):
   return rc, took, log
 
 
-def bands_step(out):
-  """Writes OUT/gemm_bands.json: {band: gemm rows} for BAND_SHAPE, one band height after
-  another."""
+def config_name(config):
+  return ", ".join(f"{k}={v}" for k, v in config.items()) or "as committed"
+
+
+def configs_step(out):
+  """Writes OUT/gemm_configs.json: gemm rows at CONFIG_SHAPE for each of CONFIGS."""
   from jax_hoccl._src.fused.flagged import flagged_gemm as fg
   from jax_hoccl.bench.gemm import bench_gemm
-  default, rows = fg.BAND_TILES, {}
-  try:
-    for band in BANDS:
-      fg.BAND_TILES = band
-      rows[band] = [dict(r, band_tiles=band) for r in bench_gemm([BAND_SHAPE])]
-      flagged = [r for r in rows[band] if r["impl"] != "xla"]
-      if flagged:
-        print(f"   band {band:2d}: {flagged[0]['speed_vs_xla']:.3f}x XLA's dot speed "
-              f"(spread {flagged[0]['spread']:.1%})", flush=True)
-  finally:
-    fg.BAND_TILES = default
-  with open(os.path.join(out, "gemm_bands.json"), "w") as f:
+  rows = []
+  for config in CONFIGS:
+    default = {k: getattr(fg, k) for k in config}
+    try:
+      for k, v in config.items():
+        setattr(fg, k, v)
+      got = bench_gemm([CONFIG_SHAPE])
+    except Exception as e:  # a configuration that does not fit is reported, the others run
+      print(f"   {config_name(config)}: {e!r}", flush=True)
+      continue
+    finally:
+      for k, v in default.items():
+        setattr(fg, k, v)
+    for r in got:
+      rows.append(dict(r, config=config_name(config)))
+      if r["impl"] != "xla":
+        print(f"   {config_name(config):32s} {r['speed_vs_xla']:.3f}x XLA's dot speed "
+              f"(spread {r['spread']:.1%})", flush=True)
+  with open(os.path.join(out, "gemm_configs.json"), "w") as f:
     json.dump(rows, f, indent=1)
 
 
@@ -77,11 +90,11 @@ def main(argv=None):
   ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "benchmarks",
                                                                           "results", "raw"))
   ap.add_argument("--rounds", type=int, default=12, help="probe_walk_cost rounds")
-  ap.add_argument("--bands-only", action="store_true", help="step 4 alone (its own process)")
+  ap.add_argument("--configs-only", action="store_true", help="step 4 alone (its own process)")
   a = ap.parse_args(argv)
   os.makedirs(a.out, exist_ok=True)
-  if a.bands_only:
-    bands_step(a.out)
+  if a.configs_only:
+    configs_step(a.out)
     return 0
   start = time.monotonic()
   left = lambda reserve: BUDGET_S - reserve - (time.monotonic() - start)
@@ -98,11 +111,11 @@ def main(argv=None):
   steps["gemm"] = run_step(
       "gemm", [py, "-m", "jax_hoccl.bench", "--gemm-only", "--out", a.out],
       min(45, left(15)), a.out)
-  steps["bands"] = run_step(
-      "bands", [py, os.path.abspath(__file__), "--bands-only", "--out", a.out], left(0), a.out)
-  bands_json = os.path.join(a.out, "gemm_bands.json")
-  bands = {int(b): rs for b, rs in json.load(open(bands_json)).items()} if os.path.exists(
-      bands_json) else {}
+  steps["configs"] = run_step(
+      "configs", [py, os.path.abspath(__file__), "--configs-only", "--out", a.out], left(0),
+      a.out)
+  configs_json = os.path.join(a.out, "gemm_configs.json")
+  configs = json.load(open(configs_json)) if os.path.exists(configs_json) else []
 
   walk = json.load(open(walk_json)) if os.path.exists(walk_json) else {}
   gemm_files = sorted(glob.glob(os.path.join(a.out, "*-gemm.json")))
@@ -112,7 +125,7 @@ def main(argv=None):
   meta["date"] = meta["date"] or datetime.date.today().isoformat()
   result = dict(meta, dtype="bfloat16", walk_cost=walk.get("walk_cost", []),
                 gemm=gemm.get("gemm", []),
-                gemm_bands=[r for rs in bands.values() for r in rs],
+                gemm_configs=configs,
                 steps={k: dict(rc=rc, seconds=round(s, 1)) for k, (rc, s, _) in steps.items()})
   kind = (meta.get("devices") or ["GPU"])[0].replace(" ", "-")
   path = os.path.join(a.out, f"{meta['date']}-1x{kind}-walk-cost.json")
@@ -141,12 +154,11 @@ def main(argv=None):
     best = min(means, key=means.get)
     print("claim group at M=4096 (mean walk ratio): " + ", ".join(
         f"G={g}: {v:.4f}" for g, v in sorted(means.items())) + f"  -> keep CLAIM_GROUP = {best}")
-  speeds = {b: next(r["speed_vs_xla"] for r in rs if r["impl"] != "xla")
-            for b, rs in bands.items() if any(r["impl"] != "xla" for r in rs)}
+  speeds = {r["config"]: r["speed_vs_xla"] for r in configs if r["impl"] != "xla"}
   if speeds:
     best = max(speeds, key=speeds.get)
-    print(f"band at {'x'.join(map(str, BAND_SHAPE))}: " + ", ".join(
-        f"{b}: {v:.3f}" for b, v in sorted(speeds.items())) + f"  -> best BAND_TILES = {best}")
+    print(f"configs at {'x'.join(map(str, CONFIG_SHAPE))}: " + ", ".join(
+        f"{c}: {v:.3f}" for c, v in speeds.items()) + f"  -> best: {best}")
   return 0 if not any(rc for rc, _, _ in steps.values()) else 1
 
 

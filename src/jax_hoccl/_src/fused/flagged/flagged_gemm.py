@@ -62,7 +62,8 @@ TILE_M = 128          # rows of a CTA tile (and the granularity of flags)
 TILE_N = 128          # columns per compute warpgroup; a CTA tile is 2 * TILE_N wide
 TILE_K = 64
 EPI = 64              # epilogue sub-tile (rows and columns) staged through shared memory
-PIPELINE_STEPS = 4    # k-steps of a and b in flight
+EPI_SLOTS = 2         # sub-tiles staged at once per compute warpgroup (4: a whole tile)
+PIPELINE_STEPS = 4    # k-steps of a and b in flight (4 with 2 slots fills shared memory)
 BAND_TILES = 8        # row tiles per band of the walk (docs/design.md, section 8)
 COMPUTE_WGS = 2
 # k-steps whose wgmma may still run when the next is issued (their a and w stay in shared
@@ -337,7 +338,7 @@ def _kernel_body(lay: _Layout, *refs):
   @functools.partial(
       pl.run_scoped,
       allocs=pipeline(nothing, nothing).get_allocations(a0, w_gmem),
-      stage=plgpu.SMEM((COMPUTE_WGS, 2, EPI, EPI), out_dtype, transforms=out_transforms),
+      stage=plgpu.SMEM((COMPUTE_WGS, EPI_SLOTS, EPI, EPI), out_dtype, transforms=out_transforms),
       # a walk that waits: the claimed tiles handed from the memory warpgroup to the others
       tiles=plgpu.SMEM((2,), jnp.int32) if lay.ready_rows else None,
       full=plgpu.Barrier(num_arrivals=1, num_barriers=2) if lay.ready_rows else None,
@@ -402,8 +403,8 @@ def _kernel_body(lay: _Layout, *refs):
               await_rows()
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores left smem
             for e, sub in enumerate(epi_tiles):
-              slot = e % 2
-              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+              slot = e % EPI_SLOTS
+              plgpu.wait_smem_to_gmem(EPI_SLOTS - 1, wait_read_only=True)
               stage[wg, slot] = result[sub]
               plgpu.commit_smem()
               plgpu.copy_smem_to_gmem(stage.at[wg, slot], out_gmem.at[out_rows, cols].at[sub],
