@@ -1,22 +1,40 @@
 """What the fused ops' walks of the flagged GEMM cost on one GPU with nothing to wait for: each
-walk (fused/flagged/gather_walk.py, fused/flagged/reduce_scatter_walk.py, n = 2 and 4 ranks, rank 0) run with its
-ready flags already up, against XLA's dot of the same M x K x N and the plain flagged GEMM
-(flags on), and the plain kernel adding into its output (the ring's partial sums). CUPTI kernel time,
-three interleaved rounds of 20 calls, medians. What is left over the plain kernel is compute-
-side cost that two GPUs cannot hide."""
+walk (fused/flagged/gather_walk.py, fused/flagged/reduce_scatter_walk.py, rank 0) run with its
+ready flags already up, against XLA's dot of the same M x K x N, and the plain flagged GEMM
+(flags on, tiles by index) and the plain kernel adding into its output (the ring's partial sums).
+What a walk costs over XLA's dot is compute-side cost that two GPUs cannot hide.
+
+Kernel time by CUPTI, the GEMM kernel only (the longest kernel of a call: not the fill of the
+ready flags). Rounds of CALLS calls per program, the programs in a rotated order each round;
+a program's ratio to XLA's dot is taken within each round (H200 clocks drift from one round to
+the next, the ratio much less), and the median of the rounds' ratios is reported with its
+spread, (max - min) / median of those ratios.
+
+  python benchmarks/probe_walk_cost.py [--m 4096,16384] [--ranks 2,4] [--rounds 12]
+      [--calls 5] [--groups 1,2 --groups-at 4096] [--json OUT.json]
+
+--groups measures each walk with those tiles per claim (flagged_gemm.CLAIM_GROUP) at the M of
+--groups-at (elsewhere the module's own); the rows say which ("claim_group").
+"""
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import platform
 import statistics
+import subprocess
+
 import numpy as np
 import jax
 import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import profiler
-from jax_hoccl._src.fused.flagged import flagged_gemm as fg, gather_walk as gig, reduce_scatter_walk as gr
+from jax_hoccl._src.fused.flagged import flagged_gemm as fg
+from jax_hoccl._src.fused.flagged import gather_walk as gig
+from jax_hoccl._src.fused.flagged import reduce_scatter_walk as gr
 
 K = N = 8192
 bf = jnp.bfloat16
-
-
-def t(f, *args):
-  return statistics.median(profiler.measure(f, iterations=20)(*args)[1]) * 1e3
 
 
 def ones_ready(one, count):
@@ -26,28 +44,32 @@ def ones_ready(one, count):
   return jnp.zeros((fg.ready_words(count),), jnp.int32).at[:2 * count:2].set(one)
 
 
-def programs(m_total, n):
-  key = jax.random.split(jax.random.key(0), 4)
-  w = (jax.random.normal(key[0], (K, N), jnp.float32) / np.sqrt(K)).astype(bf)
-  x = jax.random.normal(key[1], (m_total, K), bf)
-  c = jax.random.normal(key[2], (m_total, N), bf)
-  out = jnp.zeros((m_total, N), bf)
-  flags = jnp.zeros((m_total // 1024,), jnp.int32)
-  p = {"xla dot": (jax.jit(lambda x, w: x @ w), (x, w)),
-       "flagged": (jax.jit(lambda x, w, o, f: fg.flagged_matmul(x, w, out=o, flags=f,
-                                                                 flag_rows=1024)),
-                   (x, w, out, flags)),
-       "flagged, adding into out": (jax.jit(lambda x, w, c: fg.flagged_matmul(x, w, out=c,
-                                                                               add=True)),
-                                    (x, w, c))}
+def plain_programs(x, w, c):
+  """{name: (op, ranks, claim_group, jitted, args)} of the GEMMs without waits."""
+  m = x.shape[0]
+  out = jnp.zeros((m, N), bf)
+  flags = jnp.zeros((m // 1024,), jnp.int32)
+  return {
+      "xla dot": ("xla_dot", 1, None, jax.jit(lambda x, w: x @ w), (x, w)),
+      "flagged": ("flagged_matmul", 1, None, jax.jit(
+          lambda x, w, o, f: fg.flagged_matmul(x, w, out=o, flags=f, flag_rows=1024)),
+          (x, w, out, flags)),
+      "flagged, adding into out": ("flagged_matmul_add", 1, None, jax.jit(
+          lambda x, w, c: fg.flagged_matmul(x, w, out=c, add=True)), (x, w, c))}
+
+
+def walk_programs(x, w, c, n, group):
+  """The three walks for n ranks (rank 0), with `group` tiles per claim."""
+  m_total = x.shape[0]
   m = m_total // n
   own, gathered = x[:m], x[m:]
   one = jnp.ones((), jnp.int32)
   count = (n - 1) * m // gig.READY_ROWS
-  p[f"all_gather_matmul walk n={n}"] = (jax.jit(
+  tag = f" n={n} G={group}"
+  p = {f"all_gather_matmul walk{tag}": ("all_gather_matmul", n, group, jax.jit(
       lambda own, g, w, one: fg.walk_matmul(
           w, [own, g], gig.walk(n), m, result=(n * m, bf), rank=0, ready=ones_ready(one, count),
-          ready_rows=gig.READY_ROWS)), (own, gathered, w, one))
+          ready_rows=gig.READY_ROWS)), (own, gathered, w, one))}
   rows = m_total // n
   band = gr.band_rows(rows)
   send = jnp.zeros((rows, N), bf)
@@ -57,7 +79,7 @@ def programs(m_total, n):
     last = jnp.zeros(((n if gather else 1) * rows, N), bf)
     ring_flags = jnp.zeros((n * rows // band,), jnp.int32)
     bands = (n - 1) * rows // band
-    p[f"{name} walk n={n}"] = (jax.jit(
+    p[f"{name} walk{tag}"] = (name, n, group, jax.jit(
         lambda x, w, s, l, r, f, one, gather=gather: fg.walk_matmul(
             w, [x, s, l] + ([r] if n > 2 else []), gr.walk(n, gather), rows, rank=0,
             ready=ones_ready(one, bands), ready_rows=band, flags=f, flag_rows=band)),
@@ -65,24 +87,111 @@ def programs(m_total, n):
   return p
 
 
-def main():
-  for m_total in (4096, 16384):
-    for n in (2, 4):
-      progs = programs(m_total, n)
-      if n == 4:  # the plain kernels were measured at n = 2
-        progs = {k: v for k, v in progs.items() if "walk" in k or k == "xla dot"}
-      for f, args in progs.values():
-        jax.block_until_ready(f(*args))
-      times = {k: [] for k in progs}
-      for _ in range(3):
-        for k, (f, args) in progs.items():
-          times[k].append(t(f, *args))
-      x = statistics.median(times["xla dot"])
-      print(f"M={m_total} K={K} N={N}, n={n}:", flush=True)
-      for k, v in times.items():
-        tv = statistics.median(v)
-        print(f"  {k:34s} {tv:8.1f} us  {tv / x:.3f}x XLA's dot time  (rounds spread "
-              f"{(max(v) - min(v)) / tv:.1%})", flush=True)
+def compile_all(progs):
+  """Lowers each program (with its claim group), then compiles and warms them up in threads:
+  the compilers run outside Python's lock."""
+  default = fg.CLAIM_GROUP
+  lowered = {}
+  for name, (_, _, group, f, args) in progs.items():
+    fg.CLAIM_GROUP = group or default
+    try:
+      lowered[name] = f.lower(*args)
+    finally:
+      fg.CLAIM_GROUP = default
+
+  def build(name):
+    exe = lowered[name].compile()
+    jax.block_until_ready(exe(*progs[name][4]))
+    return name, exe
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+    return dict(pool.map(build, progs))
+
+
+def gemm_us(exe, args, calls):
+  """Median over `calls` calls of the longest kernel of each call, in us."""
+  _, per_call = profiler.measure(exe, iterations=max(calls, 2), aggregate=False)(*args)
+  return statistics.median(max(t for _, t in kernels) for kernels in per_call) * 1e3
+
+
+def measure(progs, exes, rounds, calls):
+  """{name: per-round times}: rounds of every program, in an order rotated each round."""
+  names = list(progs)
+  times = {k: [] for k in names}
+  for r in range(rounds):
+    for k in names[r % len(names):] + names[:r % len(names)]:
+      times[k].append(gemm_us(exes[k], progs[k][4], calls))
+  return times
+
+
+def _commit():
+  if os.environ.get("JAX_HOCCL_COMMIT"):
+    return os.environ["JAX_HOCCL_COMMIT"]
+  try:
+    return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                   stderr=subprocess.DEVNULL).strip()
+  except Exception:
+    return "unknown"
+
+
+def write_json(path, rows):
+  dev = jax.devices()[0]
+  result = dict(machine=f"{platform.node()} (1x{dev.device_kind.replace(' ', '-')})", gpus=1,
+                devices=[str(dev.device_kind)], jax=jax.__version__,
+                date=datetime.date.today().isoformat(), commit=_commit(),
+                python=platform.python_version(), dtype="bfloat16", walk_cost=rows)
+  with open(path, "w") as f:
+    json.dump(result, f, indent=1)
+  print(f"wrote {path}", flush=True)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--m", default="4096,16384", help="M of the GEMM (all ranks' rows)")
+  ap.add_argument("--ranks", default="2,4")
+  ap.add_argument("--rounds", type=int, default=12)
+  ap.add_argument("--calls", type=int, default=5)
+  ap.add_argument("--groups", default="", help="tiles per claim to compare, e.g. 1,2")
+  ap.add_argument("--groups-at", default="4096", help="the M where --groups are compared")
+  ap.add_argument("--json", default="", help="write the walk_cost rows here")
+  a = ap.parse_args(argv)
+  groups = [int(g) for g in a.groups.split(",") if g] or [fg.CLAIM_GROUP]
+  groups_at = {int(m) for m in a.groups_at.split(",") if m}
+  key = jax.random.split(jax.random.key(0), 3)
+  w = (jax.random.normal(key[0], (K, N), jnp.float32) / np.sqrt(K)).astype(bf)
+  rows = []
+  for m_total in [int(m) for m in a.m.split(",")]:
+    x = jax.random.normal(key[1], (m_total, K), bf)
+    c = jax.random.normal(key[2], (m_total, N), bf)
+    progs = plain_programs(x, w, c)
+    for n in [int(r) for r in a.ranks.split(",")]:
+      for g in (groups if m_total in groups_at else [fg.CLAIM_GROUP]):
+        progs.update(walk_programs(x, w, c, n, g))
+    exes = compile_all(progs)
+    # every tile computed once, whatever claimed it: the gather walk's product is x @ w
+    ref = exes["xla dot"](x, w).astype(jnp.float32)
+    for k, (op, n, g, _, args) in progs.items():
+      if op == "all_gather_matmul":
+        err = float(jnp.max(jnp.abs(exes[k](*args).astype(jnp.float32) - ref)))
+        if err > 0.1:
+          raise AssertionError(f"{k}: differs from XLA's dot by {err}")
+    times = measure(progs, exes, a.rounds, a.calls)
+    print(f"M={m_total} K={K} N={N}: {a.rounds} rounds of {a.calls} calls", flush=True)
+    for k, (op, n, g, _, _) in progs.items():
+      ratios = [t / t_xla for t, t_xla in zip(times[k], times["xla dot"])]
+      ratio = statistics.median(ratios)
+      spread = (max(ratios) - min(ratios)) / ratio
+      t_us = statistics.median(times[k])
+      print(f"  {k:40s} {t_us:8.1f} us  {ratio:.3f}x XLA's dot time  (spread {spread:.1%})",
+            flush=True)
+      if op != "xla_dot":
+        rows.append(dict(op=op, m=m_total, k=K, n=N, ranks=n, ratio_to_xla_dot=ratio,
+                         spread=spread, time_us=t_us, xla_dot_us=statistics.median(
+                             times["xla dot"]), claim_group=g, rounds=a.rounds, calls=a.calls))
+    del exes, progs
+    if a.json:  # after each M: a run cut short keeps what it measured
+      write_json(a.json, rows)
+  return rows
 
 
 if __name__ == "__main__":

@@ -137,3 +137,35 @@ def test_flag_target_counts_cta_tiles():
   # 1024 rows of 256-column CTA tiles over N = 8192: 8 row tiles x 32 column tiles
   assert fg.flag_target(8192, 1024) == 8 * 32
   assert np.dtype(jnp.bfloat16) in fg.DTYPES
+
+
+def _walk_order(blocks, block_tiles, n_tiles):
+  """The block of each tile of a walk, in the kernel's walk order (plgpu.planar_snake over
+  bands of band_tiles row tiles), evaluated on the CPU."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  band = fg.band_tiles(block_tiles, blocks)
+  m_tiles = blocks * block_tiles
+  order = []
+  for t in range(m_tiles * n_tiles):
+    mi, _ = plgpu.planar_snake(jnp.int32(t), (m_tiles, n_tiles), 0, band)
+    order.append(int(mi) // block_tiles)
+  return order
+
+
+@pytest.mark.parametrize("blocks,block_tiles", [(2, 4), (3, 12), (4, 8), (2, 10), (1, 10)])
+def test_walk_order_finishes_each_block_before_the_next(blocks, block_tiles):
+  """Forward progress needs every tile a tile waits for earlier in the walk order: a block's
+  tiles all before the next block's, also where a block has fewer row tiles than a band."""
+  order = _walk_order(blocks, block_tiles, n_tiles=3)
+  assert order == sorted(order)
+  assert fg.band_tiles(block_tiles, blocks) <= fg.BAND_TILES
+  assert fg.band_tiles(32, 1) == fg.band_tiles(32, 4) == fg.BAND_TILES  # the fused ops' blocks
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_claimed_walk_lowers_for_each_claim_group(hopper, monkeypatch, group):
+  """The ring (its tiles claimed by the memory warpgroup and handed to the others) lowers
+  with one tile or a group of consecutive tiles per claim."""
+  monkeypatch.setattr(fg, "CLAIM_GROUP", group)
+  text = _program("matmul_reduce_scatter", 2, jnp.bfloat16, _rows("matmul_reduce_scatter", 2))
+  assert _calls(text, "mosaic_gpu_v2") + _calls(text, "mosaic_gpu") == 1

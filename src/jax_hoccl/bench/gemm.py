@@ -4,9 +4,10 @@ section of `python -m jax_hoccl.bench`: rows {"impl", "m", "k", "n", "time_us"} 
 "jax_hoccl_flagged") and {"what", "time_us"} in "flag_latency".
 
 Kernel times are CUPTI's (jax's Mosaic GPU profiler), median of CALLS calls, in ROUNDS
-interleaved rounds (xla, flagged, xla, flagged, ...): H200 clocks drift over a minute of GEMMs
-(at M = 16384 three rounds of 20 calls gave 0.95-1.07x from run to run), so the ratio of one
-round is what compares, and the median of many rounds' ratios is reported.
+interleaved rounds (xla, flagged, then flagged, xla, ...): H200 clocks drift over a minute of
+GEMMs (at M = 16384 three rounds of 20 calls gave 0.95-1.07x from run to run), so the ratio of
+one round is what compares, and the median of the rounds' ratios is reported ("speed_vs_xla")
+with their spread ((max - min) / median).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import statistics
 
 import numpy as np
 
-ROUNDS = 9
+ROUNDS = 15
 CALLS = 10
 # (M, K, N), bf16: the fused ops' shapes at M = 4096 and 16384 (K = N = 8192) and matmul_psum's
 # per-rank GEMM on two GPUs (K = 4096)
@@ -46,16 +47,19 @@ def bench_gemm(shapes=SHAPES):
     flagged = jax.jit(lambda a, b, o, f: fg.flagged_matmul(a, b, out=o, flags=f,
                                                            flag_rows=FLAG_ROWS))
     times = {"xla": [], "jax_hoccl_flagged": []}
-    for _ in range(ROUNDS):
-      times["xla"].append(_kernel_us(xla, a, b))
-      times["jax_hoccl_flagged"].append(_kernel_us(flagged, a, b, out, flags))
+    calls = {"xla": lambda: _kernel_us(xla, a, b),
+             "jax_hoccl_flagged": lambda: _kernel_us(flagged, a, b, out, flags)}
+    for r in range(ROUNDS):
+      for impl in (("xla", "jax_hoccl_flagged") if r % 2 == 0 else ("jax_hoccl_flagged", "xla")):
+        times[impl].append(calls[impl]())
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - xla(a, b).astype(jnp.float32))))
     if err > 0.05:
       raise AssertionError(f"flagged GEMM {m}x{k}x{n} differs from XLA's dot by {err}")
     ratios = [x / f for x, f in zip(times["xla"], times["jax_hoccl_flagged"])]
+    speed = statistics.median(ratios)
     for impl, ts in times.items():
       rows.append(dict(impl=impl, m=m, k=k, n=n, time_us=statistics.median(ts),
-                       **({"speed_vs_xla": statistics.median(ratios)}
+                       **({"speed_vs_xla": speed, "spread": (max(ratios) - min(ratios)) / speed}
                           if impl != "xla" else {})))
   return rows
 

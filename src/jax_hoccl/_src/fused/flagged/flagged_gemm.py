@@ -27,11 +27,13 @@ Why our own kernel: cuBLAS cannot say which tiles are done (CUDA 13 removed its 
 counters), and cutting a cuBLAS GEMM into row pieces costs 4-13% per piece (docs/design.md).
 
 Forward progress (docs/design.md): a CTA that waits only ever waits for rows of earlier
-tiles of the walk order, brought by copy engines. In a walk that waits, tiles are claimed in
-walk order from a counter (tile t is taken only once tiles 0..t-1 were taken by CTAs that
-are running), so whatever holds the other SMs (another kernel, MPS clients, a grid larger than
-the SMs left), a running CTA waits for rows whose producer has started: a peer's running CTA,
-whose own waits are on still earlier tiles. Where ranks share a GPU their copies are kernels
+tiles of the walk order (no band of the walk holds tiles of two blocks), brought by copy
+engines. In a walk that waits, tiles are claimed in walk order from a counter (tile t is taken
+only once tiles 0..t-1 were taken by CTAs that are running), each CTA's memory warpgroup
+claiming its next tile while the compute warpgroups finish the last one and handing it to them
+through shared memory and two mbarriers, so whatever holds the other SMs (another kernel, MPS
+clients, a grid larger than the SMs left), a running CTA waits for rows whose producer has
+started: a peer's running CTA, whose own waits are on still earlier tiles. Where ranks share a GPU their copies are kernels
 that need the SMs a spinning CTA holds, so the fused ops do not take walks that wait there
 (peer_wait_reason).
 
@@ -60,7 +62,8 @@ TILE_M = 128          # rows of a CTA tile (and the granularity of flags)
 TILE_N = 128          # columns per compute warpgroup; a CTA tile is 2 * TILE_N wide
 TILE_K = 64
 EPI = 64              # epilogue sub-tile (rows and columns) staged through shared memory
-PIPELINE_STEPS = 4    # k-steps of a and b in flight
+EPI_SLOTS = 2         # sub-tiles staged at once per compute warpgroup (4: a whole tile)
+PIPELINE_STEPS = 4    # k-steps of a and b in flight (4 with 2 slots fills shared memory)
 BAND_TILES = 8        # row tiles per band of the walk (docs/design.md, section 8)
 COMPUTE_WGS = 2
 # k-steps whose wgmma may still run when the next is issued (their a and w stay in shared
@@ -125,15 +128,28 @@ def _sm_count() -> int:
 
 
 # Claim words after the ready flags: the tile counter (two words, keeping the uint64 flags
-# aligned), then two slots per CTA through which its claimer hands the tile to the CTA.
-MAX_CTAS = 512
-CLAIM_WORDS = 2 + 2 * MAX_CTAS
+# aligned).
+CLAIM_WORDS = 2
+# Tiles per claim in a walk that waits (consecutive in the walk order). One: the claim's
+# atomic is taken by the memory warpgroup while the compute warpgroups finish a tile, so
+# groups would only widen the span of tiles in flight (less of a and w shared in L2).
+CLAIM_GROUP = 1
 
 
 def ready_words(flags: int) -> int:
   """int32 words of a walk's `ready` operand for `flags` uint64 ready flags (plus the tile
   claims), all zero before the kernel."""
   return 2 * flags + CLAIM_WORDS
+
+
+def band_tiles(block_tiles: int, blocks: int) -> int:
+  """Row tiles per band of the walk order: BAND_TILES, or in a walk of several blocks the
+  largest divisor of a block's row tiles up to it, so that no band holds tiles of two blocks
+  and every tile of a block comes before every tile of the next (docs/design.md, "Forward
+  progress", rule 1)."""
+  if blocks == 1:
+    return min(BAND_TILES, block_tiles)
+  return max(d for d in range(1, min(BAND_TILES, block_tiles) + 1) if block_tiles % d == 0)
 
 
 def flag_target(n: int, flag_rows: int) -> int:
@@ -177,35 +193,47 @@ def _raise_flag(flag_ref, ordered: bool):
   signal(flag_ref)
 
 
-# Named barrier joining all three warpgroups when a tile is claimed.
-_CLAIM_BARRIER = 9
+def _publish_tile(counter_ref, slot_ref, candidate, group: int):
+  """Memory warpgroup: writes the CTA's next tile into its shared-memory slot, seen by the
+  whole warpgroup once this returns. The next tile is `candidate` (the one after the last)
+  inside a group of `group` consecutive tiles, else the first of a group claimed from the
+  counter: one thread's atomic add, so tiles are claimed in walk order."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax.experimental.mosaic import gpu as mgpu
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT))
+  def publish(_, counter, slot, cand):
+    u = mgpu.utils
+    one = u.single_thread_predicate(u.ThreadSubset.WARPGROUP)
+    # q: this thread claims (candidate % group == 0 starts a new group)
+    claim = " mov.pred q, $3;\n" if group == 1 else (
+        f" rem.u32 r, $2, {group};\n setp.eq.u32 q, r, 0;\n and.pred q, q, $3;\n")
+    u.inline_ptx(
+        "{\n .reg .u32 t, r;\n .reg .pred q;\n mov.u32 t, $2;\n" + claim +
+        f" @q atom.relaxed.gpu.global.add.u32 t, [$0], {group};\n"
+        " @$3 st.shared.u32 [$1], t;\n"
+        f" bar.sync $4, {u.WARPGROUP_SIZE};\n}}",
+        u.memref_ptr(counter), u.memref_ptr(slot), cand.registers.item(), one,
+        u.warpgroup_barrier_idx(sync=False), has_side_effects=True, convergent=True)
+
+  publish(counter_ref, slot_ref, candidate)
 
 
-def _claim_tile(counter_ref, slot_ref):
-  """The next tile of the walk order for this CTA: one thread takes it from the counter and
-  hands it to all warpgroups through the CTA's slot (alternate two slots, so a slow reader of
-  the last claim never sees the next)."""
+def _read_tile(slot_ref):
+  """The tile the memory warpgroup wrote into the shared-memory slot."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax.experimental.mosaic import gpu as mgpu
   from jax._src.lib.mlir import ir
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
                      return_type=plgpu.ShapeDtypeStruct((), jnp.int32, plgpu.Layout.WG_SPLAT))
-  def claim(_, counter, slot):
+  def read(_, slot):
     u = mgpu.utils
-    one = u.single_thread_predicate(u.ThreadSubset.BLOCK)
-    threads = (COMPUTE_WGS + 1) * u.WARPGROUP_SIZE
-    tile = u.inline_ptx(
-        "{\n .reg .u32 t;\n"
-        " @$3 atom.relaxed.gpu.global.add.u32 t, [$1], 1;\n"
-        " @$3 st.relaxed.gpu.global.u32 [$2], t;\n"
-        f" bar.sync {_CLAIM_BARRIER}, {threads};\n"
-        " ld.relaxed.gpu.global.u32 $0, [$2];\n}",
-        u.memref_ptr(counter), u.memref_ptr(slot), one,
-        result_types=ir.IntegerType.get_signless(32), has_side_effects=True, convergent=True)
+    tile = u.inline_ptx("ld.shared.u32 $0, [$1];", u.memref_ptr(slot),
+                        result_types=ir.IntegerType.get_signless(32), has_side_effects=True)
     return mgpu.FragmentedArray.splat(tile, (), is_signed=True)
 
-  return claim(counter_ref, slot_ref)
+  return read(slot_ref)
 
 
 def _await_flag(flag_ref, value):
@@ -260,6 +288,7 @@ class _Layout:
   ordered: bool
   n_operands: int
   has_result: bool
+  claim_group: int = 1
 
 
 def _kernel_body(lay: _Layout, *refs):
@@ -289,7 +318,7 @@ def _kernel_body(lay: _Layout, *refs):
   cta_n = COMPUTE_WGS * TILE_N
   block_tiles = lay.rows // TILE_M
   m_tiles, n_tiles, k_steps = len(lay.walk) * block_tiles, lay.n // cta_n, lay.k // TILE_K
-  band = min(BAND_TILES, m_tiles)
+  band = band_tiles(block_tiles, len(lay.walk))
   epi_tiles = [(slice(i * EPI, (i + 1) * EPI), slice(j * EPI, (j + 1) * EPI))
                for i in range(TILE_M // EPI) for j in range(TILE_N // EPI)]
   ordered = lay.ordered
@@ -309,9 +338,13 @@ def _kernel_body(lay: _Layout, *refs):
   @functools.partial(
       pl.run_scoped,
       allocs=pipeline(nothing, nothing).get_allocations(a0, w_gmem),
-      stage=plgpu.SMEM((COMPUTE_WGS, 2, EPI, EPI), out_dtype, transforms=out_transforms),
+      stage=plgpu.SMEM((COMPUTE_WGS, EPI_SLOTS, EPI, EPI), out_dtype, transforms=out_transforms),
+      # a walk that waits: the claimed tiles handed from the memory warpgroup to the others
+      tiles=plgpu.SMEM((2,), jnp.int32) if lay.ready_rows else None,
+      full=plgpu.Barrier(num_arrivals=1, num_barriers=2) if lay.ready_rows else None,
+      empty=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2) if lay.ready_rows else None,
       collective_axes="wg")
-  def _scope(allocs, stage):
+  def _scope(allocs, stage, tiles, full, empty):
     wg = lax.axis_index("wg")
     rank = rank_gmem[0] if rank_gmem is not None else None
     # A tile's flag is raised (after its stores complete) at the start of the next tile's
@@ -370,8 +403,8 @@ def _kernel_body(lay: _Layout, *refs):
               await_rows()
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores left smem
             for e, sub in enumerate(epi_tiles):
-              slot = e % 2
-              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+              slot = e % EPI_SLOTS
+              plgpu.wait_smem_to_gmem(EPI_SLOTS - 1, wait_read_only=True)
               stage[wg, slot] = result[sub]
               plgpu.commit_smem()
               plgpu.copy_smem_to_gmem(stage.at[wg, slot], out_gmem.at[out_rows, cols].at[sub],
@@ -396,18 +429,34 @@ def _kernel_body(lay: _Layout, *refs):
 
     total = m_tiles * n_tiles
     if lay.ready_rows:  # a walk that waits claims its tiles in walk order
-      sm = lax.axis_index("sm")
-      claims = 2 * lay.ready_flags
-      next_tile = lambda parity: _claim_tile(
-          ready_gmem.at[pl.ds(claims, 1)], ready_gmem.at[pl.ds(claims + 2 + 2 * sm + parity, 1)])
+      counter = ready_gmem.at[pl.ds(2 * lay.ready_flags, 1)]
+      is_memory = wg == COMPUTE_WGS
+
+      def next_tile(t, i):
+        """The CTA's i-th tile (after tile t): the memory warpgroup claims it and hands it to
+        the compute warpgroups through slot i % 2 (full: written, empty: read by both), so
+        it never waits for their epilogue."""
+        s = lax.rem(i, 2)
+
+        @pl.when(is_memory)
+        def _claim():
+          pl.when(i >= 2)(lambda: plgpu.barrier_wait(empty.at[s]))
+          _publish_tile(counter, tiles.at[pl.ds(s, 1)], t + 1, lay.claim_group)
+          plgpu.barrier_arrive(full.at[s])
+
+        pl.when(~is_memory)(lambda: plgpu.barrier_wait(full.at[s]))
+        nt = _read_tile(tiles.at[pl.ds(s, 1)])
+        pl.when(~is_memory)(lambda: plgpu.barrier_arrive(empty.at[s]))
+        return nt
 
       def claimed(c):
-        t, parity, carry = c
+        t, i, carry = c
         carry = tile(t, carry)
-        return next_tile(1 - parity), 1 - parity, carry
+        return next_tile(t, i + 1), i + 1, carry
 
-      _, _, last_flag = lax.while_loop(lambda c: c[0] < total, claimed,
-                                       (next_tile(0), jnp.int32(0), jnp.int32(-1)))
+      _, _, last_flag = lax.while_loop(
+          lambda c: c[0] < total, claimed,
+          (next_tile(jnp.int32(-1), jnp.int32(0)), jnp.int32(0), jnp.int32(-1)))
     else:
       @plgpu.nd_loop((total,), collective_axes="sm", init_carry=jnp.int32(-1))
       def last_flag(info, carry):
@@ -453,8 +502,7 @@ def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
     if used and (r % TILE_M or rows % r):
       raise ValueError(f"jax_hoccl flagged GEMM: {name}={r} must be a multiple of {TILE_M} "
                        f"dividing R={rows}")
-  if ready is not None and (ready.shape[0] < CLAIM_WORDS or ready.shape[0] % 2
-                           or _sm_count() > MAX_CTAS):
+  if ready is not None and (ready.shape[0] < CLAIM_WORDS or ready.shape[0] % 2):
     raise ValueError(f"jax_hoccl flagged GEMM: ready must have ready_words(flags) = "
                      f"{CLAIM_WORDS} + 2 * flags words, got {ready.shape[0]}")
   if any(b.add and b.out.ref == RESULT for b in walk):
@@ -468,7 +516,8 @@ def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
                 ready_rows=ready_rows if ready is not None else 0,
                 ready_flags=(ready.shape[0] - CLAIM_WORDS) // 2 if ready is not None else 0,
                 ready_value=int(ready_value),
-                ordered=bool(_ordered), n_operands=len(operands), has_result=result is not None)
+                ordered=bool(_ordered), n_operands=len(operands), has_result=result is not None,
+                claim_group=CLAIM_GROUP)
   out_type = (jax.ShapeDtypeStruct((result[0], n), result[1]) if result is not None
               else jax.ShapeDtypeStruct((128,), jnp.int32))
   kernel = plgpu.kernel(
