@@ -434,6 +434,71 @@ STAGED_WORKER = PRELUDE + textwrap.dedent("""
     os._exit(0)
 """)
 
+# A step of 12 small layers with a staged psum after each, jitted: XLA captures the staged
+# calls into its CUDA graphs (command buffers) with the layers around them. Replays do not run
+# the handlers: over 1,000 steps the handlers ran only while XLA recorded (their calls are
+# counted). Right against numpy on every checked replay, with fresh input buffers at every
+# call (XLA records again) and when only one rank's buffers change.
+CAPTURE_WORKER = PRELUDE + textwrap.dedent("""
+    L, rows, width = 12, 16, 512  # 32 KiB f32 per psum
+    rng = np.random.default_rng(11)
+    ws = [(rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32) for _ in range(L)]
+    wj = [jnp.asarray(w) for w in ws]
+    def step(h):
+        for w in wj:
+            h = jax.nn.gelu(jnp.dot(h, w, precision="highest"))
+            h = jax_hoccl.psum(h, "tp") / n
+        return h
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    def reference(xs):
+        gelu = lambda a: 0.5 * a * (1 + np.tanh(np.sqrt(2 / np.pi) * (a + 0.044715 * a ** 3)))
+        hs = [x.astype(np.float64) for x in xs]
+        for w in ws:
+            hs = [gelu(h @ w) for h in hs]
+            hs = [sum(hs) / n] * n
+        return hs[me]
+    def data(seed):
+        return [np.random.default_rng(seed + r).standard_normal((rows, width)).astype(np.float32) for r in range(n)]
+    def check(y, xs, what):
+        got, want = mine(y), reference(xs)
+        err = np.abs(got - want).max() / max(1.0, np.abs(want).max())
+        assert err < 1e-4, (what, err)
+    xs = data(0)
+    x = shard(xs[me])
+    text = f.lower(x).as_text()
+    assert "hoccl_all_gather_staged" in text, text[:3000]
+    check(f(x), xs, "first")
+    before = _hoccl.staged_lanes()
+    ys = []
+    t0 = time.perf_counter()
+    for i in range(1000):
+        ys.append(f(x))
+        if i % 100 == 99:
+            jax.block_until_ready(ys)
+            ys = ys[-1:]
+    jax.block_until_ready(ys)
+    per_step = (time.perf_counter() - t0) / 1000 * 1e6
+    check(ys[-1], xs, "after 1000 replays")
+    eager = sum(e for _, lane, e, _ in _hoccl.staged_lanes() if lane == 0) - sum(
+        e for _, lane, e, _ in before if lane == 0)
+    captured = _hoccl.staged_captured_calls()
+    print(f"TIME step of {L} layers with a psum each: {per_step:.1f} us; handler calls outside "
+          f"graphs in 1000 steps: {eager}, recorded into graphs: {captured}", flush=True)
+    if os.environ.get("CAPTURE") == "on":
+        assert captured >= L and eager < 1000, (eager, captured)
+    else:
+        assert captured == 0 and eager == 1000 * L, (eager, captured)
+    for i in range(20):  # fresh buffers on every rank
+        xs = data(100 + 7 * i)
+        check(f(shard(xs[me])), xs, f"fresh {i}")
+    xs = data(500)
+    mine_x = shard(xs[me])
+    for i in range(20):  # only rank 0's buffers change
+        check(f(shard(xs[me]) if me == 0 else mine_x), xs, f"rank 0 fresh {i}")
+    print("GPU_MP_OK", flush=True)
+    os._exit(0)
+""")
+
 def _run(tmp_path, worker, timeout, env=None, n=2):
   """n processes sharing GPU 0, each with 0.6 / n of its memory (JAX_PLATFORMS dropped: they
   must see the GPU)."""
@@ -472,6 +537,20 @@ def test_staged_path_under_mps(tmp_path, n):
   for out in outs:
     assert "GPU_MP_OK" in out, out[-4000:]
   assert not shared_memory_left()
+
+
+@pytest.mark.parametrize("capture", ["on", "off"])
+def test_staged_calls_inside_cuda_graphs(tmp_path, capture):
+  """on: XLA's default command buffers; off: --xla_gpu_enable_command_buffer= (none)."""
+  env = {"JAX_HOCCL_TIMEOUT_S": "60", "CAPTURE": capture,
+         "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"
+         + (" --xla_gpu_enable_command_buffer=" if capture == "off" else "")}
+  with mps_daemon() as mps:
+    outs = _run(tmp_path, CAPTURE_WORKER, timeout=300, env={**env, **mps})
+  for out in outs:
+    print(out[-1500:])
+  for out in outs:
+    assert "GPU_MP_OK" in out, out[-4000:]
 
 
 @pytest.mark.parametrize("n", [2, 4])

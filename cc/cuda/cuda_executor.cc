@@ -269,6 +269,13 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   RankState& st = *rs;
   if (!announce && st.progress && StagedEligible(spec))
     return RunStaged(comm, st, spec, stream, input, output, lane, op);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+      capture != cudaStreamCaptureStatusNone)
+    return {ErrorKind::kInternal,
+            Prefix(spec, op, device) +
+                "a zero-copy call (blocks above JAX_HOCCL_STAGED_BYTES) meets its peers on the "
+                "host at every call and cannot be captured into a CUDA graph"};
   PeerTransport& transport = *st.transport;
 
   const int n = spec.group_size, r = spec.rank;

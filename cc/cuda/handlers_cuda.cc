@@ -91,6 +91,19 @@ static ffi::Error PermuteCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffe
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteCuda, PermuteCuda,
                               CudaSync().Attr<ffi::Span<const int64_t>>("permute_dst"));
 
+// ---- the same movers for blocks the staged path takes (the lowering picks these targets up
+// to JAX_HOCCL_STAGED_BYTES): the same work on every call, so XLA may capture them into its
+// command buffers (CUDA graphs); cuda/staged/staged_exchange.h says how a captured call runs.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherStagedCuda, AllGatherCuda,
+                              CudaSync().Attr<int64_t>("skip_own"),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllStagedCuda, AllToAllCuda,
+                              CudaSync().Attr<int64_t>("skip_own"),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStagedCuda, PermuteCuda,
+                              CudaSync().Attr<ffi::Span<const int64_t>>("permute_dst"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 // ---- async pairs: each start runs its exchange on an async stream (cuda/async_streams.h).
 static ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                                      ffi::RemainingRets rets, Group group, int64_t stream_index,

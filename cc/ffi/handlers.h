@@ -41,6 +41,10 @@ XLA_FFI_Error* kInstantiateCpuCall(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllGatherCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteCuda(XLA_FFI_CallFrame* call_frame);
+// the same, command-buffer compatible: the lowering's targets for staged blocks
+XLA_FFI_Error* kAllGatherStagedCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kAllToAllStagedCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kPermuteStagedCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllGatherStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kIntoStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllStartCuda(XLA_FFI_CallFrame* call_frame);

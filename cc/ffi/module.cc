@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/ipc_memory.h"
+#include "cuda/staged/staged_exchange.h"
 #include "cuda/staged/watchdog.h"
 #endif
 #include "ffi/handlers.h"
@@ -66,6 +67,10 @@ nb::dict Registrations() {
   add("hoccl_all_gather", CpuStaged(hoccl::kAllGatherCpu), HOCCL_CUDA(kAllGatherCuda));
   add("hoccl_all_to_all", CpuStaged(hoccl::kAllToAllCpu), HOCCL_CUDA(kAllToAllCuda));
   add("hoccl_ppermute", CpuStaged(hoccl::kPermuteCpu), HOCCL_CUDA(kPermuteCuda));
+  // The same for blocks the staged path takes: on CUDA command-buffer compatible.
+  add("hoccl_all_gather_staged", CpuStaged(hoccl::kAllGatherCpu), HOCCL_CUDA(kAllGatherStagedCuda));
+  add("hoccl_all_to_all_staged", CpuStaged(hoccl::kAllToAllCpu), HOCCL_CUDA(kAllToAllStagedCuda));
+  add("hoccl_ppermute_staged", CpuStaged(hoccl::kPermuteCpu), HOCCL_CUDA(kPermuteStagedCuda));
   // Async pairs.
   add("hoccl_all_gather_start", CpuStaged(hoccl::kAllGatherStartCpu),
       HOCCL_CUDA(kAllGatherStartCuda));
@@ -131,6 +136,8 @@ NB_MODULE(_hoccl, m) {
   m.def("host_profile", &hoccl::HostProfileSnapshot, nb::arg("reset") = false,
         "(phase, calls, ns) of host time inside the handlers; set JAX_HOCCL_PROFILE=1 first");
 #ifdef JAX_HOCCL_WITH_CUDA
+  m.def("staged_captured_calls", &hoccl::StagedCapturedCalls,
+        "staged calls recorded into CUDA graphs (their replays do not run the handler)");
   m.def("staged_lanes", &hoccl::StagedLanes,
         "(rank, lane, calls enqueued, calls the GPU got past) of every staged lane used");
   m.def("live_peer_mappings", &hoccl::LivePeerMappings,

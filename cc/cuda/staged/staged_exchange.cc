@@ -2,6 +2,7 @@
 
 #include <cuda.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -20,6 +21,8 @@ namespace {
 
 constexpr uint64_t kSizeMask = (uint64_t{1} << 48) - 1;
 
+std::atomic<uint64_t> g_captured_calls{0};
+
 struct CopyList {
   std::vector<void*> dst;
   std::vector<const void*> src;
@@ -31,26 +34,25 @@ struct CopyList {
   }
 };
 
-// One host call for the lot where it can: cudaMemcpyBatchAsync (sources read in stream order).
-// `kind`: cudaMemcpyDeviceToDevice for copies within my device (no pointer lookup), else
-// cudaMemcpyDefault.
-std::string Enqueue(CopyList& copies, cudaStream_t stream, cudaMemcpyKind kind) {
+// The copies, as one host call where there are several (cudaMemcpyBatchAsync, sources read in
+// stream order) unless `batch` is false (under stream capture: a graph node per copy).
+// `kind`: cudaMemcpyDeviceToDevice within my device (no pointer lookup), else cudaMemcpyDefault.
+std::string Enqueue(CopyList& copies, cudaStream_t stream, cudaMemcpyKind kind, bool batch) {
   if (copies.dst.empty()) return "";
   HostTimer timer("api: staged copies");
-  if (copies.dst.size() == 1) {
-    HOCCL_CUDA_RETURN(cudaMemcpyAsync(copies.dst[0], copies.src[0], copies.bytes[0], kind, stream));
+#if CUDART_VERSION >= 13000
+  if (batch && copies.dst.size() > 1) {
+    cudaMemcpyAttributes attr = {};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t attr_index = 0;
+    HOCCL_CUDA_RETURN(cudaMemcpyBatchAsync(copies.dst.data(), copies.src.data(),
+                                           copies.bytes.data(), copies.dst.size(), &attr,
+                                           &attr_index, 1, stream));
     return "";
   }
-#if CUDART_VERSION >= 13000
-  cudaMemcpyAttributes attr = {};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  size_t attr_index = 0;
-  HOCCL_CUDA_RETURN(cudaMemcpyBatchAsync(copies.dst.data(), copies.src.data(), copies.bytes.data(),
-                                         copies.dst.size(), &attr, &attr_index, 1, stream));
-#else
+#endif
   for (size_t i = 0; i < copies.dst.size(); ++i)
     HOCCL_CUDA_RETURN(cudaMemcpyAsync(copies.dst[i], copies.src[i], copies.bytes[i], kind, stream));
-#endif
   return "";
 }
 
@@ -62,6 +64,8 @@ int PermuteSource(const OpSpec& spec, int rank) {
 }
 
 }  // namespace
+
+uint64_t StagedCapturedCalls() { return g_captured_calls.load(); }
 
 bool StagedEligible(const OpSpec& spec) {
   const size_t slot = StagedSlotBytes();
@@ -88,21 +92,34 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
   HostTimer timer("staged");
   const int n = spec.group_size, r = spec.rank;
   const size_t block = BlockBytes(spec);
+  const uint64_t value = StagedFlagValue(spec);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t ce = cudaStreamIsCapturing(stream, &capture);
+  if (ce != cudaSuccess) return {ErrorKind::kInternal, CudaError("cudaStreamIsCapturing", ce)};
+  // Captured into a CUDA graph: the handler runs once, its work is replayed. Nothing may
+  // depend on a host-side count, so those calls take their own slot set (kCapturedSet) and
+  // first meet their peers' arrival (their earlier captured calls are done with it).
+  const bool captured = capture == cudaStreamCaptureStatusActive;
+  if (captured && lane != 0)
+    return {ErrorKind::kInternal, std::string("jax_hoccl ") + op +
+                                      ": only calls on XLA's stream "
+                                      "are captured into CUDA graphs"};
   StagedLane& sl = st.staged[lane];
   const uint64_t call = sl.calls;
-  const int parity = static_cast<int>(call & 1);
-  const uint64_t value = StagedFlagValue(spec);
-  // Far ahead of the GPU: wait for it (the watchdog's records of the oldest call stay).
-  while (call - st.progress[lane] >= StagedLane::kNamed) {
-    std::string broken = comm.Broken();
-    if (!broken.empty()) return {ErrorKind::kDeadline, broken};
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
-  std::strncpy(sl.names[call % StagedLane::kNamed], op, sizeof(sl.names[0]) - 1);
-  sl.values[call % StagedLane::kNamed] = value;
-  if (!st.watched) {
-    WatchStaged(&comm, &st, r);
-    st.watched = true;
+  const int set = captured ? kCapturedSet : SlotSet(lane, static_cast<int>(call & 1));
+  if (!captured) {
+    // Far ahead of the GPU: wait for it (the watchdog's records of the oldest call stay).
+    while (call - st.progress[lane] >= StagedLane::kNamed) {
+      std::string broken = comm.Broken();
+      if (!broken.empty()) return {ErrorKind::kDeadline, broken};
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    std::strncpy(sl.names[call % StagedLane::kNamed], op, sizeof(sl.names[0]) - 1);
+    sl.values[call % StagedLane::kNamed] = value;
+    if (!st.watched) {
+      WatchStaged(&comm, &st, r);
+      st.watched = true;
+    }
   }
   char* mine = st.peer_base[r];
   const char* in = static_cast<const char*>(input);
@@ -116,40 +133,47 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
     if (dst == r)
       push.Add(out, in, block);
     else if (dst >= 0)
-      push.Add(StagedSlot(st.peer_base[dst], n, lane, parity, r), in, block);
+      push.Add(StagedSlot(st.peer_base[dst], n, set, r), in, block);
     source = PermuteSource(spec, r);
-    if (source >= 0 && source != r) pull.Add(out, StagedSlot(mine, n, lane, parity, source), block);
+    if (source >= 0 && source != r) pull.Add(out, StagedSlot(mine, n, set, source), block);
   } else {
     const bool all_to_all = spec.op == OpKind::kAllToAll;
     for (int k = 1; k < n; ++k) {
       const int d = (r + k) % n;
-      push.Add(StagedSlot(st.peer_base[d], n, lane, parity, r), in + (all_to_all ? d * block : 0),
-               block);
-      pull.Add(out + d * block, StagedSlot(mine, n, lane, parity, d), block);
+      push.Add(StagedSlot(st.peer_base[d], n, set, r), in + (all_to_all ? d * block : 0), block);
+      pull.Add(out + d * block, StagedSlot(mine, n, set, d), block);
     }
     if (!spec.skip_own) push.Add(out + r * block, in + (all_to_all ? r * block : 0), block);
   }
-  std::string err = Enqueue(push, stream, cudaMemcpyDefault);
+  std::string err;
+  if (captured) {  // 0. every peer has arrived: its earlier captured calls left my slots
+    MemOps ops(GetDriverApi(), stream);
+    for (int k = 1; k < n; ++k) ops.Write(ArrivalFlag(st.peer_base[(r + k) % n], n, r), value);
+    for (int k = 1; k < n; ++k) ops.Wait(ArrivalFlag(mine, n, (r + k) % n), value, true);
+    for (int k = 1; k < n; ++k) ops.Write(ArrivalFlag(mine, n, (r + k) % n), 0);
+    err = ops.Flush();
+  }
+  if (err.empty()) err = Enqueue(push, stream, cudaMemcpyDefault, /*batch=*/!captured);
   // 2-3. One batch: raise every peer's flag, wait for every peer's, reset mine; then say so.
   if (err.empty()) {
     MemOps ops(GetDriverApi(), stream);
-    for (int k = 1; k < n; ++k)
-      ops.Write(StagedFlag(st.peer_base[(r + k) % n], n, lane, parity, r), value);
-    for (int k = 1; k < n; ++k)
-      ops.Wait(StagedFlag(mine, n, lane, parity, (r + k) % n), value, /*equal=*/true);
-    for (int k = 1; k < n; ++k) ops.Write(StagedFlag(mine, n, lane, parity, (r + k) % n), 0);
-    ops.WriteDevice(st.progress_device + lane * sizeof(uint64_t), call + 1);
+    for (int k = 1; k < n; ++k) ops.Write(StagedFlag(st.peer_base[(r + k) % n], n, set, r), value);
+    for (int k = 1; k < n; ++k) ops.Wait(StagedFlag(mine, n, set, (r + k) % n), value, true);
+    for (int k = 1; k < n; ++k) ops.Write(StagedFlag(mine, n, set, (r + k) % n), 0);
+    if (!captured) ops.WriteDevice(st.progress_device + lane * sizeof(uint64_t), call + 1);
     err = ops.Flush();
   }
   // 4. Copies out of my slots (a permute nobody sends to is zero-filled, like jax.lax's).
-  if (err.empty()) err = Enqueue(pull, stream, cudaMemcpyDeviceToDevice);
+  if (err.empty()) err = Enqueue(pull, stream, cudaMemcpyDeviceToDevice, !captured);
   if (err.empty() && spec.op == OpKind::kPermute && source < 0) {
     cudaError_t e = cudaMemsetAsync(out, 0, block, stream);
     if (e != cudaSuccess) err = CudaError("cudaMemsetAsync", e);
   }
-  // Counted even after an error: whatever was enqueued is the watchdog's to see through.
-  sl.calls = call + 1;
-  sl.enqueued.store(call + 1, std::memory_order_release);
+  if (captured) g_captured_calls.fetch_add(1);
+  if (!captured) {  // counted even after an error: the watchdog sees through what was enqueued
+    sl.calls = call + 1;
+    sl.enqueued.store(call + 1, std::memory_order_release);
+  }
   if (!err.empty()) {
     const std::string msg =
         std::string("jax_hoccl ") + op + " (rank " + std::to_string(r) + ", staged): " + err;

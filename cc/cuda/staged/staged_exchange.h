@@ -29,6 +29,9 @@ uint64_t StagedFlagValue(const OpSpec& spec);
 // "all_gather of 4096 bytes" for a value StagedFlagValue made.
 std::string DescribeStagedFlag(uint64_t value);
 
+// How many staged calls ran under stream capture (recorded into a CUDA graph) so far.
+uint64_t StagedCapturedCalls();
+
 // Enqueues spec.rank's part on `stream` (lane `lane`); `op` is the user's op for messages.
 ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cudaStream_t stream,
                      const void* input, void* output, int lane, const char* op);

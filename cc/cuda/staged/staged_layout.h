@@ -1,7 +1,7 @@
 // Where the staged path's slots and flags lie in every rank's allocation (cuda/rank_state.h),
-// at the same offsets in each, so a peer finds them from the base it mapped once. Per lane and
-// parity (docs/design.md, "The staged path"): n ready flags (one per sender), then n slots of
-// StagedSlotBytes() each (one per sender).
+// at the same offsets in each, so a peer finds them from the base it mapped once: per slot set
+// (docs/design.md, "The staged path") n ready flags and n slots of StagedSlotBytes() each, one
+// per sender.
 #ifndef JAX_HOCCL_STAGED_LAYOUT_H_
 #define JAX_HOCCL_STAGED_LAYOUT_H_
 
@@ -22,25 +22,36 @@ inline size_t StagedSlotBytes() {
   return bytes;
 }
 
+// Slot sets: two parities per lane for calls enqueued by the host (docs/design.md), and one
+// for the calls XLA captures into CUDA graphs (only XLA's stream, lane 0, is captured).
+constexpr int kCapturedSet = 2 * kLanes;
+constexpr int kSlotSets = kCapturedSet + 1;
+inline int SlotSet(int lane, int parity) { return lane * 2 + parity; }
+
+// Flags: n ready flags per slot set (one per sender), then the captured calls' n arrival flags.
 inline size_t StagedFlagBytes(int n) {
-  return (static_cast<size_t>(kLanes) * 2 * n * sizeof(uint64_t) + 255) / 256 * 256;
+  return (static_cast<size_t>(kSlotSets + 1) * n * sizeof(uint64_t) + 255) / 256 * 256;
 }
 
 // The staged region's bytes (0 when the staged path is off).
 inline size_t StagedRegionBytes(int n) {
   const size_t slot = StagedSlotBytes();
-  return slot ? StagedFlagBytes(n) + static_cast<size_t>(kLanes) * 2 * n * slot : 0;
+  return slot ? StagedFlagBytes(n) + static_cast<size_t>(kSlotSets) * n * slot : 0;
 }
 
 // In the allocation at `base` of a group of n: the ready flag that `sender` raises for the
-// owner, and the slot `sender` writes into, for (lane, parity).
-inline uint64_t* StagedFlag(char* base, int n, int lane, int parity, int sender) {
-  return reinterpret_cast<uint64_t*>(base + ZeroCopyFlagBytes(n)) + (lane * 2 + parity) * n +
-         sender;
+// owner, and the slot `sender` writes into, of slot set `set`.
+inline uint64_t* StagedFlag(char* base, int n, int set, int sender) {
+  return reinterpret_cast<uint64_t*>(base + ZeroCopyFlagBytes(n)) + set * n + sender;
 }
-inline char* StagedSlot(char* base, int n, int lane, int parity, int sender) {
+inline char* StagedSlot(char* base, int n, int set, int sender) {
   return base + ZeroCopyFlagBytes(n) + StagedFlagBytes(n) +
-         ((static_cast<size_t>(lane) * 2 + parity) * n + sender) * StagedSlotBytes();
+         (static_cast<size_t>(set) * n + sender) * StagedSlotBytes();
+}
+// The flag `sender` raises once it has arrived at a captured call (its earlier captured calls'
+// copies out of its slots are done).
+inline uint64_t* ArrivalFlag(char* base, int n, int sender) {
+  return StagedFlag(base, n, kSlotSets, sender);
 }
 
 }  // namespace hoccl

@@ -61,9 +61,9 @@ std::string ReadFlags(const Watched& w, int lane, int parity, std::vector<uint64
   HOCCL_CUDA_RETURN(cudaSetDevice(w.st->device));
   cudaStream_t s = StreamFor(w.st->device);
   if (!s) return "no watchdog stream";
-  HOCCL_CUDA_RETURN(cudaMemcpyAsync(flags->data(),
-                                    StagedFlag(w.st->peer_base[w.rank], n, lane, parity, 0),
-                                    n * sizeof(uint64_t), cudaMemcpyDeviceToHost, s));
+  HOCCL_CUDA_RETURN(cudaMemcpyAsync(
+      flags->data(), StagedFlag(w.st->peer_base[w.rank], n, SlotSet(lane, parity), 0),
+      n * sizeof(uint64_t), cudaMemcpyDeviceToHost, s));
   HOCCL_CUDA_RETURN(cudaStreamSynchronize(s));
   HOCCL_TRACE("watchdog: rank %d lane %d read its flags\n", w.rank, lane);
   return "";
@@ -78,7 +78,7 @@ void Release(const Watched& w, int lane, uint64_t call) {
   if (cudaSetDevice(w.st->device) != cudaSuccess) return;
   cudaStream_t s = StreamFor(w.st->device);
   if (!s) return;
-  uint64_t* mine = StagedFlag(w.st->peer_base[w.rank], n, lane, parity, 0);
+  uint64_t* mine = StagedFlag(w.st->peer_base[w.rank], n, SlotSet(lane, parity), 0);
   for (int q = 0; q < n; ++q)
     if (q != w.rank)
       cudaMemcpyAsync(mine + q, &values[q], sizeof(uint64_t), cudaMemcpyHostToDevice, s);

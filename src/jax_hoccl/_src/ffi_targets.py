@@ -1,9 +1,11 @@
 """Loads the C++ extension and registers its FFI handlers with XLA (once, at import)."""
 from __future__ import annotations
 
+import os
 import threading
 
 import jax
+import numpy as np
 
 from jax_hoccl._src import environment
 
@@ -86,3 +88,25 @@ def ffi_lower(target: str, op: str, ctx, *args, lowering_args=None, side_effect=
           "not found when it was built). Reinstall with nvcc on PATH.")
   return jax.ffi.ffi_lowering(target, has_side_effect=side_effect, **(lowering_args or {}))(
       ctx, *args, **attrs)
+
+
+DEFAULT_STAGED_BYTES = 1 << 20
+
+
+def mover_target(target: str, ctx, attrs: dict, parts: int = 1) -> str:
+  """The custom call of a mover (hoccl_all_gather, hoccl_all_to_all, hoccl_ppermute) on CUDA:
+  its command-buffer compatible twin `<target>_staged` when the block (what one rank sends one
+  peer: the input's bytes / `parts`) takes the staged path, so XLA may capture it into its CUDA
+  graphs; else `target`. The same test as the C++ engine's (cc/cuda/staged/staged_exchange.h:
+  StagedEligible), which decides the path at run time."""
+  if tuple(ctx.module_context.platforms) != ("cuda",):
+    return target
+  raw = os.environ.get("JAX_HOCCL_STAGED_BYTES", "")
+  limit = -(-(int(raw) if raw else DEFAULT_STAGED_BYTES) // 256) * 256  # slots: 256-byte units
+  aval = ctx.avals_in[0]
+  try:
+    block = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize // parts
+  except TypeError:  # symbolic shapes: sizes known only at run time
+    return target
+  group_size = int(attrs["group"]["group_size"])
+  return f"{target}_staged" if group_size >= 2 and 0 < block <= limit else target

@@ -18,7 +18,7 @@ from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import branches
 from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
-from jax_hoccl._src.ffi_targets import ffi_lower
+from jax_hoccl._src.ffi_targets import ffi_lower, mover_target
 from jax_hoccl._src.ops import across_processes, buckets, common
 
 all_gather_p = ji.Primitive("hoccl_all_gather")
@@ -45,8 +45,9 @@ def _lowering(ctx, x, *, axes, axis_size, invariant, reduced, skip_own, site, gr
                                          invariant=invariant or reduced, groups=groups)
   if across is not None:
     return across
-  return ffi_lower("hoccl_all_gather", "all_gather", ctx, x, skip_own=np.int64(skip_own),
-                   **axes_lib.ffi_group_attrs(ctx, axes, "all_gather", site, groups))
+  attrs = axes_lib.ffi_group_attrs(ctx, axes, "all_gather", site, groups)
+  return ffi_lower(mover_target("hoccl_all_gather", ctx, attrs), "all_gather", ctx, x,
+                   skip_own=np.int64(skip_own), **attrs)
 
 
 def _batch(args, dims, **params):

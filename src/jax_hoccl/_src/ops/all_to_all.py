@@ -15,7 +15,7 @@ from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import branches
 from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
-from jax_hoccl._src.ffi_targets import ffi_lower
+from jax_hoccl._src.ffi_targets import ffi_lower, mover_target
 from jax_hoccl._src.ops import across_processes, buckets, common
 
 all_to_all_p = ji.Primitive("hoccl_all_to_all")
@@ -34,8 +34,9 @@ def _lowering(ctx, x, *, axes, axis_size, skip_own, site, groups):
   across = across_processes.lowering_for("all_to_all", ctx, x, axes=axes, groups=groups)
   if across is not None:
     return across
-  return ffi_lower("hoccl_all_to_all", "all_to_all", ctx, x, skip_own=np.int64(skip_own),
-                   **axes_lib.ffi_group_attrs(ctx, axes, "all_to_all", site, groups))
+  attrs = axes_lib.ffi_group_attrs(ctx, axes, "all_to_all", site, groups)
+  target = mover_target("hoccl_all_to_all", ctx, attrs, parts=int(attrs["group"]["group_size"]))
+  return ffi_lower(target, "all_to_all", ctx, x, skip_own=np.int64(skip_own), **attrs)
 
 
 def _transpose(ct, x, *, axes, axis_size, skip_own, site, groups):

@@ -12,7 +12,7 @@ from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import branches
 from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
-from jax_hoccl._src.ffi_targets import ffi_lower
+from jax_hoccl._src.ffi_targets import ffi_lower, mover_target
 from jax_hoccl._src.ops import across_processes, buckets, common
 
 ppermute_p = ji.Primitive("hoccl_ppermute")
@@ -29,8 +29,9 @@ def _lowering(ctx, x, *, axes, axis_size, perm, site):
   across = across_processes.lowering_for("ppermute", ctx, x, axes=axes, perm=perm)
   if across is not None:
     return across
-  return ffi_lower("hoccl_ppermute", "ppermute", ctx, x, permute_dst=permute_dst(perm, axis_size),
-                   **axes_lib.ffi_group_attrs(ctx, axes, "ppermute", site))
+  attrs = axes_lib.ffi_group_attrs(ctx, axes, "ppermute", site)
+  return ffi_lower(mover_target("hoccl_ppermute", ctx, attrs), "ppermute", ctx, x,
+                   permute_dst=permute_dst(perm, axis_size), **attrs)
 
 
 def _transpose(ct, x, *, axes, axis_size, perm, site):
