@@ -152,6 +152,14 @@ std::string GetRankState(Communicator& comm, const OpSpec& spec, int device, cud
 
 std::string CurrentDevice(cudaStream_t stream, int* device) {
 #if CUDART_VERSION >= 12080
+  // Under stream capture (XLA recording a CUDA graph) cudaStreamGetDevice is refused; the
+  // handler's thread is then already on its device.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  HOCCL_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) {
+    HOCCL_CUDA_RETURN(cudaGetDevice(device));
+    return "";
+  }
   HOCCL_CUDA_RETURN(cudaStreamGetDevice(stream, device));
   int current = -1;
   HOCCL_CUDA_RETURN(cudaGetDevice(&current));
