@@ -24,7 +24,9 @@ VARIABLES = {
     "JAX_HOCCL_DEBUG": ("choice", {"0", "1"}),
     "JAX_HOCCL_PROFILE": ("choice", {"0", "1"}),
     "JAX_HOCCL_NODE": ("any",),
-    "JAX_HOCCL_LAUNCH": ("any",),  # set by python -m jax_hoccl.launch
+    "JAX_HOCCL_LAUNCH": ("any",),  # set by python -m jax_hoccl.launch (launch.py)
+    "JAX_HOCCL_JOB_SECRET": ("hex", 32),  # set by the launcher (launch.run_job)
+    "JAX_HOCCL_FAILURE_LOG": ("any",),  # set by the launcher (launch.run_job)
     # Read by the repository's scripts, not by the package.
     "JAX_HOCCL_PYTHON": ("any",),
     "JAX_HOCCL_BOOTSTRAP_PYTHON": ("any",),
