@@ -39,6 +39,14 @@ struct Entry {
   uint64_t payload[kPayloadWords];
 };
 
+// Why the group broke, written once by the rank that gave up (state 1 while it writes).
+constexpr size_t kReasonBytes = 4096;
+struct Failure {
+  std::atomic<int32_t> state;  // 0: usable, 1: being recorded, 2: recorded
+  int32_t rank, pid;
+  char reason[kReasonBytes];
+};
+
 struct Box {
   std::atomic<int32_t> pid;  // of the process holding this rank, 0 until attached
   Entry ring[kRingEntries];
@@ -52,6 +60,7 @@ struct NodeRendezvous::Segment {
   std::atomic<uint64_t> magic;
   std::atomic<int32_t> attached;
   int32_t n;
+  Failure failure;
   Box box[1];  // n of them
   static size_t Bytes(int n) { return sizeof(Segment) + (n - 1) * sizeof(Box); }
 };
@@ -201,7 +210,7 @@ std::string NodeRendezvous::Get(const std::vector<int64_t>& device_ids, const ch
   auto& slot = (*all)[device_ids];
   if (slot) {
     *out = slot.get();
-    return slot->Broken();
+    return slot->Broken(op);
   }
   const JobInfo job = Job();
   if (job.secret.empty())
@@ -256,6 +265,16 @@ std::string NodeRendezvous::Get(const std::vector<int64_t>& device_ids, const ch
   return "";
 }
 
+void NodeRendezvous::Count() {
+  std::set<int> procs;
+  for (int64_t id : device_ids_) procs.insert(ProcessOf(id));
+  processes_ = static_cast<int>(procs.size());
+  local_.assign(n_, false);
+  for (int r : LocalRanks(device_ids_)) local_[r] = true;
+}
+
+bool NodeRendezvous::Local(int rank) const { return local_[rank]; }
+
 // ---------------------------------------------------------------- calls
 
 std::string NodeRendezvous::Describe(int rank) const {
@@ -283,15 +302,57 @@ std::string NodeRendezvous::PublishedBy(int peer) const {
   return calls.empty() ? std::string(kInNoCall) : " (which is in " + calls + ")";
 }
 
-std::string NodeRendezvous::Fail(const std::string& msg) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (broken_.empty()) broken_ = msg;
-  return msg;
+namespace {
+
+// A line for the launcher (python -m jax_hoccl.launch), which ends the job on it: the file it
+// watches, if it exists (never created here).
+void ReportFailure(const std::string& reason) {
+  const char* path = std::getenv("JAX_HOCCL_FAILURE_LOG");
+  if (!path || !*path) return;
+  const int fd = open(path, O_WRONLY | O_APPEND | O_CLOEXEC);
+  if (fd < 0) return;
+  std::string line = std::to_string(getpid()) + "\t" + reason;
+  for (char& c : line)
+    if (c == '\n') c = ' ';
+  line += '\n';
+  ssize_t written = write(fd, line.data(), line.size());  // one write: lines do not interleave
+  (void)written;
+  close(fd);
 }
 
-std::string NodeRendezvous::Broken() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return broken_;
+}  // namespace
+
+std::string NodeRendezvous::Fail(int rank, const char* op, const std::string& reason) {
+  Failure& f = seg_->failure;
+  int32_t usable = 0;
+  if (!f.state.compare_exchange_strong(usable, 1, std::memory_order_acq_rel)) {
+    return Broken(op);  // another rank gave up first: its reason
+  }
+  f.rank = rank;
+  f.pid = getpid();
+  std::snprintf(f.reason, kReasonBytes, "%s", reason.c_str());
+  f.state.store(2, std::memory_order_release);
+  ReportFailure(reason);
+  return reason;
+}
+
+std::string NodeRendezvous::Broken(const char* op) {
+  const Failure& f = seg_->failure;
+  int32_t state = f.state.load(std::memory_order_acquire);
+  if (state == 0) return "";
+  // Being recorded: a few microseconds (unless the recording process was killed meanwhile).
+  for (int i = 0; state == 1 && i < 100000; ++i) {
+    std::this_thread::yield();
+    state = f.state.load(std::memory_order_acquire);
+  }
+  const std::string prefix =
+      std::string("jax_hoccl ") + op + ": group [" + IdsText(device_ids_) + "] is unusable: ";
+  if (state != 2) return prefix + "a rank gave up on it; restart the job.";
+  char reason[kReasonBytes];
+  std::memcpy(reason, f.reason, kReasonBytes);
+  reason[kReasonBytes - 1] = '\0';
+  if (f.pid == getpid()) return reason;
+  return prefix + Describe(f.rank) + " gave up on it: " + reason;
 }
 
 uint64_t NodeRendezvous::NextCount(int rank, uint64_t key) {
@@ -309,7 +370,7 @@ std::string NodeRendezvous::WaitFor(int rank, const std::vector<int>& peers, con
     if (ready()) return "";
     Backoff(i);
     if (i % 256 != 255) continue;
-    std::string broken = Broken();
+    std::string broken = Broken(op);
     if (!broken.empty()) return broken;
     const bool late = std::chrono::steady_clock::now() - start > timeout;
     std::string exited;
@@ -340,13 +401,13 @@ std::string NodeRendezvous::WaitFor(int rank, const std::vector<int>& peers, con
             "program: on GPU, sharded autotuning waits for every process "
             "(--xla_gpu_shard_autotuning=false ends that wait).";
     }
-    return Fail(msg + " This group is now unusable; restart the job.");
+    return Fail(rank, op, msg + " This group is now unusable; restart the job.");
   }
 }
 
 std::string NodeRendezvous::Publish(int rank, CallKey key, const std::string& what,
                                     const Fill& fill, int* index, const char* op) {
-  std::string broken = Broken();
+  std::string broken = Broken(op);
   if (!broken.empty()) return broken;
   Box& box = seg_->box[rank];
   std::vector<int> peers;
@@ -383,6 +444,8 @@ std::string NodeRendezvous::Publish(int rank, CallKey key, const std::string& wh
 
 std::string NodeRendezvous::Find(int rank, int peer, CallKey key, const std::string& what,
                                  PeerEntry* out, const char* op) {
+  std::string broken = Broken(op);
+  if (!broken.empty()) return broken;
   Box& box = seg_->box[peer];
   std::string mismatch;
   std::string err = WaitFor(rank, {peer}, op, what, [&] {
@@ -406,11 +469,12 @@ std::string NodeRendezvous::Find(int rank, int peer, CallKey key, const std::str
   if (!err.empty()) return err;
   if (!mismatch.empty()) {
     Release(peer, out->index);
-    return Fail(std::string("jax_hoccl ") + op + ": mismatched collectives in group [" +
-                IdsText(device_ids_) + "]: " + Describe(rank) + " called " + what + ", but " +
-                Describe(peer) + " called " + mismatch +
-                " at the same point. Every process must call the same collectives, with the "
-                "same shapes and dtypes, in the same order. This group is now unusable.");
+    return Fail(rank, op,
+                std::string("jax_hoccl ") + op + ": mismatched collectives in group [" +
+                    IdsText(device_ids_) + "]: " + Describe(rank) + " called " + what + ", but " +
+                    Describe(peer) + " called " + mismatch +
+                    " at the same point. Every process must call the same collectives, with the "
+                    "same shapes and dtypes, in the same order. This group is now unusable.");
   }
   return "";
 }
@@ -420,6 +484,8 @@ void NodeRendezvous::Release(int peer, int index) {
 }
 
 std::string NodeRendezvous::WaitReleased(int rank, int index, const char* op) {
+  std::string broken = Broken(op);
+  if (!broken.empty()) return broken;
   std::vector<int> peers;
   for (int p = 0; p < n_; ++p)
     if (p != rank) peers.push_back(p);

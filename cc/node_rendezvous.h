@@ -8,7 +8,9 @@
 // JAX_HOCCL_TIMEOUT_S, or whose process exits, ends the wait with an error naming the op, the
 // ranks, their processes and the missing peers; a peer that publishes the same key with a
 // different `what` (another op, dtype, size or group at the same point) is an immediate error
-// naming both calls. A failure breaks the group: every later call fails fast with it.
+// naming both calls. A failure breaks the group for every rank, in every process: the rank
+// that gives up records who it is and why in the shared segment (Fail), and every rank's next
+// call in the group (or its wait in progress) fails at once with that reason (Broken).
 //
 // The segment's name is unlinked as soon as every rank has attached (a killed process leaves
 // nothing in /dev/shm after that); names this process created and that are still linked are
@@ -52,6 +54,8 @@ class NodeRendezvous {
                          NodeRendezvous** out);
 
   int size() const { return n_; }
+  int processes() const { return processes_; }           // distinct processes holding the ranks
+  bool Local(int rank) const;                            // whether this process holds `rank`
   const std::string& name() const { return name_; }      // the segment's (unlinked) name
   const std::string& secret() const { return secret_; }  // the job's (cc/job.h)
 
@@ -69,8 +73,14 @@ class NodeRendezvous {
   // Waits until every peer released my entry `index` (a setup barrier: all have used it).
   std::string WaitReleased(int rank, int index, const char* op);
 
-  // The error that broke the group, or "".
-  std::string Broken();
+  // Declares the group unusable for every rank: records `rank`'s `reason` in the shared
+  // segment (the first reason recorded wins) and, when JAX_HOCCL_FAILURE_LOG names a file (the
+  // launcher's), appends "pid<TAB>reason" to it. Returns the error for this call `op`: the
+  // reason, or the first one if another rank gave up before.
+  std::string Fail(int rank, const char* op, const std::string& reason);
+  // "" while the group is usable; else the error for this process's call `op`: the reason
+  // itself where this process gave up, else naming the rank that gave up and its reason.
+  std::string Broken(const char* op);
   // The number of my entries still published and not yet released by every peer.
   int LiveEntries(int rank);
   // The n-th call of CPU instruction `key` by `rank` (0, 1, ...).
@@ -85,12 +95,14 @@ class NodeRendezvous {
         secret_(std::move(secret)),
         n_(n),
         device_ids_(std::move(device_ids)),
-        seg_(seg) {}
+        seg_(seg) {
+    Count();
+  }
 
  private:
   std::string Describe(int rank) const;
   std::string PublishedBy(int peer) const;
-  std::string Fail(const std::string& msg);
+  void Count();  // processes_, local_
   // Waits until `ready` is true; "" or the timeout / peer-exit error (naming `waiting_for`).
   template <typename Pred>
   std::string WaitFor(int rank, const std::vector<int>& peers, const char* op,
@@ -101,9 +113,10 @@ class NodeRendezvous {
   const int n_;
   const std::vector<int64_t> device_ids_;
   Segment* seg_;
+  int processes_ = 0;
+  std::vector<bool> local_;
   std::mutex publish_mu_;  // one publisher at a time (ranks of this process share the lock)
-  std::mutex mu_;          // broken_, counts_
-  std::string broken_;
+  std::mutex mu_;          // counts_
   std::map<std::pair<int, uint64_t>, uint64_t> counts_;
 };
 

@@ -182,15 +182,24 @@ def run_processes(tmp_path, worker: str, timeout: float, n: int = 2, env=None,
                   drop=("XLA_FLAGS", "JAX_HOCCL_NODE")):
   """Runs `worker` as processes 0..n-1 of a jax.distributed job on localhost (argv: address,
   process id, n) with this environment less `drop`, plus `env`; their outputs."""
-  from jax_hoccl.launch import run_workers
+  from jax_hoccl.launch import run_worker_job
+  global _last_job
   base = {k: v for k, v in os.environ.items() if k not in drop}
-  return [out for _, out in run_workers(worker, n, {**base, **(env or {})}, timeout,
-                                        directory=str(tmp_path))]
+  _last_job = run_worker_job(worker, n, {**base, **(env or {})}, timeout,
+                             directory=str(tmp_path))
+  return _last_job.outputs
+
+
+_last_job = None
 
 
 def shared_memory_left():
-  """jax_hoccl's names in /dev/shm (none may survive a job)."""
-  return [f for f in os.listdir("/dev/shm") if f.startswith("jax_hoccl-")]
+  """The last run_processes job's names in /dev/shm: still there (none may survive a job),
+  or, when it ended cleanly, left for the runner to remove (its processes unlink their own).
+  Only that job's (its secret): other jobs on the machine may be running."""
+  job = _last_job
+  left = [f for f in os.listdir("/dev/shm") if f.startswith(f"jax_hoccl-{job.secret}")]
+  return left + (job.removed if job.failure is None else [])
 
 
 def run_script(script, timeout=240, env_extra=None):

@@ -542,6 +542,86 @@ def test_done_of_non_pending_raises_type_error():
                    sds((16, 2)))
 
 
+@pytest.mark.parametrize("order_input", [True, False])
+def test_every_start_keeps_x_shape_as_its_input(order_input):
+  """pending.input is x as an output of the start: x's shape and type for every start
+  (all_to_all_start moves x as blocks, which must not show), and compute on it is right."""
+  rng = np.random.default_rng(12)
+  x = put(MESH1, rand(rng, (8 * 8, 3), jnp.float32))
+  starts = {
+      "all_gather": lambda v: hc.all_gather_start(v, "x", tiled=True, order_input=order_input),
+      "all_to_all tiled": lambda v: hc.all_to_all_start(v, "x", tiled=True,
+                                                        order_input=order_input),
+      "all_to_all": lambda v: hc.all_to_all_start(v, "x", tiled=False, order_input=order_input),
+      "ppermute": lambda v: hc.ppermute_start(v, "x", [(i, (i + 1) % 8) for i in range(8)],
+                                              order_input=order_input),
+      "psum": lambda v: hc.psum_start(v, "x", order_input=order_input),
+      "psum_scatter": lambda v: hc.psum_scatter_start(v, "x", tiled=True,
+                                                      order_input=order_input),
+  }
+  for name, start in starts.items():
+    def body(v, start=start, name=name):
+      pending = start(v)
+      assert pending.input.shape == v.shape, (name, pending.input.shape, v.shape)
+      assert jax.typeof(pending.input) == jax.typeof(v), (name, jax.typeof(pending.input))
+      y = pending.input * 2.0 + 1.0  # compute on the start's input, as documented
+      _, y = hc.done(pending, y)
+      return y
+    got = smap(MESH1, body, True)(x)
+    np.testing.assert_array_equal(to_np(got), to_np(x) * 2.0 + 1.0, err_msg=name)
+
+
+def test_done_twice_on_one_pending_raises():
+  """done takes each Pending exactly once: a second done would wait (and sum) again."""
+  def body(v):
+    pending = hc.psum_start(v, "x")
+    out, = hc.done(pending)
+    with pytest.raises(ValueError, match="already passed to done.*exactly once"):
+      hc.done(pending)
+    return out
+
+  jax.eval_shape(jax.shard_map(body, mesh=MESH1, in_specs=P("x"), out_specs=P()),
+                 sds((16, 2)))
+
+
+@pytest.mark.parametrize("start", [
+    lambda v: hc.psum_start(v, "x"),
+    lambda v: hc.all_gather_start(v, "x", tiled=True),
+    lambda v: hc.ppermute_start(v, "x", [(i, (i + 1) % 8) for i in range(8)]),
+], ids=["psum", "all_gather", "ppermute"])
+@pytest.mark.parametrize("mode", ["grad", "jvp"])
+def test_gradient_through_an_async_pair_says_what_to_use(start, mode):
+  """Async pairs have no derivative: the error says so and names the differentiable ops,
+  instead of JAX's "Differentiation rule for 'hoccl_start' not implemented"."""
+  f = jax.shard_map(lambda v: hc.done(start(v))[0].sum(), mesh=MESH1, in_specs=P("x"),
+                    out_specs=P(), check_vma=False)
+  x = put(MESH1, jnp.ones((16, 2), jnp.float32))
+  with pytest.raises(NotImplementedError, match="async pairs .* are not differentiable") as e:
+    jax.grad(f)(x) if mode == "grad" else jax.jvp(f, (x,), (x,))
+  assert "synchronous op" in str(e.value) and "all_gather_matmul" in str(e.value)
+
+
+def test_gradient_of_compute_between_start_and_done():
+  """Compute between start and done may be differentiated when the exchanged input is not:
+  done hands the deps back, their tangents pass through; equal to the same without the pair."""
+  rng = np.random.default_rng(13)
+  x = put(MESH1, rand(rng, (16, 2), jnp.float32))
+  w = jnp.asarray(rand(rng, (2, 2), jnp.float32))
+
+  def loss(w, v, pair):
+    y = jnp.tanh(v @ w)
+    if pair:
+      pending = hc.all_gather_start(jax.lax.stop_gradient(v), "x", tiled=True)
+      g, y = hc.done(pending, y)
+      y = y + 0.0 * g[:2].sum()
+    return jax.lax.psum(jnp.sum(y * y), "x")
+
+  def grads(pair):
+    return jax.jit(jax.shard_map(jax.grad(lambda w, v: loss(w, v, pair)), mesh=MESH1,
+                                 in_specs=(P(), P("x")), out_specs=P()))(w, x)
+  np.testing.assert_allclose(to_np(grads(True)), to_np(grads(False)), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("tiled,rows", [(True, 6), (False, 16)])
 def test_all_to_all_start_bad_leading_dim(tiled, rows):
   """Leading dim 6 does not split into 8 blocks; untiled needs exactly 8 rows (got 2 local)."""

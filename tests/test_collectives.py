@@ -756,6 +756,35 @@ def test_vmap_axis_names_like_lax():
                              jax.vmap(lambda r: jax.lax.psum(r, "b"), axis_name="b")(v))
 
 
+def test_vmap_axis_names_under_check_vma_are_a_clear_error():
+  """The same collectives under shard_map(check_vma=True): jax.lax fails (a ValueError over
+  mixed axes, a bare AssertionError over the vmap axis alone); jax_hoccl raises a ValueError
+  that names the vmap axis and says what to do, instead of a bare AssertionError."""
+  x = jax.device_put(np.random.default_rng(0).standard_normal((8, 3, 3)).astype(np.float32),
+                     NamedSharding(MESH1, P("x")))
+  cases = {
+      "psum": lambda m, v: m.psum(v, ("b", "x")),
+      "psum b": lambda m, v: m.psum(v, "b"),
+      "pmean": lambda m, v: m.pmean(v, ("x", "b")),
+      "pmax": lambda m, v: m.pmax(v, ("b", "x")),
+      "pmin": lambda m, v: m.pmin(v, ("b", "x")),
+      "all_gather": lambda m, v: m.all_gather(v, "b"),
+      "psum_scatter": lambda m, v: m.psum_scatter(v, "b"),
+      "all_to_all": lambda m, v: m.all_to_all(v, "b", 0, 0),
+      "ppermute": lambda m, v: m.ppermute(v, "b", [(0, 1), (1, 2), (2, 0)]),
+  }
+  for name, body in cases.items():
+    def run(m, body=body):
+      inner = jax.vmap(lambda v: body(m, v), axis_name="b")
+      return jax.jit(jax.shard_map(lambda v: inner(v[0])[None], mesh=MESH1, in_specs=P("x"),
+                                   out_specs=P("x"), check_vma=True))(x)
+    with pytest.raises((ValueError, AssertionError)):  # jax.lax fails here too
+      run(jax.lax)
+    with pytest.raises(ValueError, match="names the jax.vmap axis 'b'.*check_vma=False") as e:
+      run(hc)
+    assert f"jax_hoccl.{name.split()[0]}" in str(e.value), (name, str(e.value))
+
+
 # ------------------------------------------------------------------------- special values
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_pmax_pmin_propagate_nan_and_psum_keeps_negative_zero(dtype):

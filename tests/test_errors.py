@@ -328,7 +328,13 @@ def test_malformed_environment_variables_fail_naming_them():
   for name, raw, want in [("JAX_HOCCL_TIMEOUT_S", "abc", "a positive number"),
                           ("JAX_HOCCL_TIMEOUT_S", "-3", "a positive number"),
                           ("JAX_HOCCL_BUCKET_BYTES", "1.5", "an integer >= 0"),
-                          ("JAX_HOCCL_CHUNKS", "0", "an integer >= 1"),
+                          ("JAX_HOCCL_CHUNKS", "0", "an integer from 1 to 64"),
+                          ("JAX_HOCCL_CHUNKS", "100", "an integer from 1 to 64"),
+                          ("JAX_HOCCL_CHANNELS", "99", "an integer from 1 to 4"),
+                          ("JAX_HOCCL_CHANNELS", "5", "an integer from 1 to 4"),
+                          ("JAX_HOCCL_ASYNC_STREAMS", "9", "an integer from 1 to 4"),
+                          ("JAX_HOCCL_ASYNC_STREAMS", "0", "an integer from 1 to 4"),
+                          ("JAX_HOCCL_CUBLASLT_CANDIDATES", "65", "an integer from 1 to 64"),
                           ("JAX_HOCCL_PSUM_ALGORITHM", "fast", "one of")]:
     old = os.environ.get(name)
     os.environ[name] = raw
@@ -347,3 +353,28 @@ def test_malformed_environment_variables_fail_naming_them():
   finally:
     del os.environ["JAX_HOCCL_TIMEUOT_S"]
   environment.check()  # the suite's own environment is valid
+
+
+@pytest.mark.parametrize("name,raw", [("JAX_HOCCL_CHUNKS", "100"), ("JAX_HOCCL_CHANNELS", "99"),
+                                      ("JAX_HOCCL_ASYNC_STREAMS", "9")])
+def test_out_of_range_variables_fail_at_the_first_lowering(name, raw):
+  """A documented limit is enforced where the variable is first read: the first lowering of
+  any jax_hoccl program (here a psum, which has no async start), not silently capped."""
+  res, _ = run_script(textwrap.dedent("""
+      import json, os
+      os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+      import jax
+      from jax.sharding import PartitionSpec as P
+      import jax_hoccl
+      mesh = jax.make_mesh((2,), ("x",))
+      f = jax.jit(jax.shard_map(lambda v: jax_hoccl.psum(v, "x"), mesh=mesh, in_specs=P("x"),
+                                out_specs=P()))
+      try:
+          f.lower(jax.ShapeDtypeStruct((4,), "float32",
+                                       sharding=jax.NamedSharding(mesh, P("x"))))
+          print("RESULT" + json.dumps({"error": None}))
+      except ValueError as e:
+          print("RESULT" + json.dumps({"error": str(e)}))
+  """), timeout=120, env_extra={name: raw})
+  assert res["error"] and f"{name} must be an integer from" in res["error"], res
+  assert repr(raw) in res["error"], res

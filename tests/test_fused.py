@@ -95,17 +95,20 @@ def compile_sequential(fn, *args):
 #   args, in_specs, out_specs, ours(*local args) -> {name: out}, lax(*local args) -> same.
 # ------------------------------------------------------------------------------------------
 
-def case_agmm(mesh, dtype, rng, replicated_w=False):
+def case_agmm(mesh, dtype, rng, replicated_w=False, to="varying"):
+  """to="invarying" with a replicated w: the result invariant over tp (out_specs without
+  tp, under check_vma=True too); with a w sharded over tp the product varies anyway."""
   n, d = mesh.shape["tp"], mesh.shape["dp"]
   x = put(mesh, rand(rng, (n * 2, d * 2, 4), dtype), P("tp", "dp", None))  # local [2, 2, 4]
   if replicated_w:
     w = put(mesh, rand(rng, (4, 3), dtype), P())
-    out = P("tp", "dp", None)  # all_gather output is varying over tp, like lax's
+    # all_gather output is varying over tp, like lax's; invariant with to="invarying"
+    out = P("tp", "dp", None) if to == "varying" else P(None, "dp", None)
   else:
     w = put(mesh, rand(rng, (4, n * 3), dtype), P(None, "tp"))  # local [4, 3]
     out = P(None, "dp", "tp")
-  ours = lambda x, w: {"out": hc.all_gather_matmul(x, w, "tp")}
-  lax = lambda x, w: {"out": jax.lax.all_gather(x, "tp", tiled=True) @ w}
+  ours = lambda x, w: {"out": hc.all_gather_matmul(x, w, "tp", to=to)}
+  lax = lambda x, w: {"out": jax.lax.all_gather(x, "tp", tiled=True, to=to) @ w}
   return (x, w), (x.sharding.spec, w.sharding.spec), out, ours, lax
 
 
@@ -181,6 +184,10 @@ def case_ema2a(mesh, dtype, rng, replicated_table=False):
 CASES = {
     "all_gather_matmul": case_agmm,
     "all_gather_matmul_replicated_w": lambda m, dt, r: case_agmm(m, dt, r, replicated_w=True),
+    "all_gather_matmul_invarying": lambda m, dt, r: case_agmm(m, dt, r, replicated_w=True,
+                                                               to="invarying"),
+    "all_gather_matmul_invarying_sharded_w": lambda m, dt, r: case_agmm(m, dt, r,
+                                                                         to="invarying"),
     "matmul_reduce_scatter": case_mmrs,
     "matmul_psum": case_mmps,
     "matmul_psum_gemv": case_mmps_gemv,

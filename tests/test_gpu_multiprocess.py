@@ -7,6 +7,9 @@ started JAX on the GPU itself (scripts/gpu_check.sh runs it first)."""
 import contextlib
 import glob
 import importlib.util
+import os
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -624,3 +627,69 @@ def test_peer_killed(tmp_path):
   assert "ERROR after" in out and "exited" in out, out[-3000:]
   assert float(out.split("ERROR after ")[1].split(" s")[0]) < 30
   assert not shared_memory_left()
+
+
+LAUNCHED = textwrap.dedent("""
+    import os, signal, time
+    from jax_hoccl import launch
+    launch.initialize()
+    import jax, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jax_hoccl
+    assert jax.devices()[0].platform == "gpu", jax.devices()
+    print("SECRET", os.environ["JAX_HOCCL_JOB_SECRET"], flush=True)
+    mesh = jax.make_mesh((jax.device_count(),), ("x",))
+    f = jax.jit(jax.shard_map(lambda v: jax_hoccl.psum(v, "x"), mesh=mesh, in_specs=P("x"),
+                              out_specs=P("x")))
+    def ones(rows):
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")),
+                                                      np.ones(rows, np.float32))
+    y = f(ones(1024))
+    assert float(np.asarray(y.addressable_shards[0].data)[0]) == jax.device_count()
+    print("FIRST OK", flush=True)
+    mode = os.environ["MODE"]
+    if jax.process_index() == 1:
+        if mode == "exit":
+            os._exit(0)
+        if mode == "SIGKILL":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "hang":
+            time.sleep(1000)
+    f(ones(1 << 16)).block_until_ready()
+    print("SECOND OK", flush=True)
+""")
+
+
+def _launch(tmp_path, n, mode, timeout_s=3):
+  script = tmp_path / "prog.py"
+  script.write_text(LAUNCHED)
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env.update(MODE=mode, JAX_HOCCL_TIMEOUT_S=str(timeout_s),
+             XLA_FLAGS="--xla_gpu_shard_autotuning=false")
+  # The bound: the timeout, plus 10 s, plus the processes' start (jax on the GPU, MPS).
+  out = subprocess.run([sys.executable, "-P", "-m", "jax_hoccl.launch", "-n", str(n),
+                        str(script)], env=env, capture_output=True, text=True,
+                       timeout=timeout_s + 10 + 30)
+  text = out.stdout + out.stderr
+  secret = {line.split()[-1] for line in text.splitlines() if " SECRET " in line}
+  assert len(secret) == 1, text[-3000:]
+  assert not [f for f in os.listdir("/dev/shm") if secret.pop() in f], text[-3000:]
+  return out.returncode, text
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_launcher_ends_a_failing_job_under_mps(tmp_path, n):
+  """n ranks sharing the GPU under the launcher's MPS daemon: a peer that exits, one that is
+  SIGKILLed and one that hangs each end the job within the timeout plus 10 s, with the
+  summary and the failing process's code, and leave nothing in /dev/shm; a job launched
+  after them still runs under MPS (the daemon was quit after its clients were ended)."""
+  for mode, code, what in [("exit", 1, "gave up: jax_hoccl psum"),
+                           ("SIGKILL", 137, "process 1 (pid"),
+                           ("hang", 1, "timed out after 3 s")]:
+    rc, text = _launch(tmp_path, n, mode)
+    assert rc == code and "jax_hoccl.launch: process" in text, (mode, rc, text[-3000:])
+    assert what in text.split("jax_hoccl.launch: process", 1)[1], (mode, text[-3000:])
+    assert "no MPS daemon" not in text, text[-3000:]
+  rc, text = _launch(tmp_path, n, "clean")
+  assert rc == 0 and all(f"[{i}] SECOND OK" in text for i in range(n)), text[-3000:]
+  assert "no MPS daemon" not in text, text[-3000:]

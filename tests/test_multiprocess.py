@@ -305,6 +305,10 @@ PEER_FAILURE_WORKER = textwrap.dedent("""
     gather = jax.jit(jax.shard_map(lambda v: jax_hoccl.all_gather(v, "tp"), mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
     psum(x).block_until_ready()  # the group is set up
     mode = os.environ["MODE"]
+    if mode == "late":  # watch the group after the failure: the runner must not end the job
+        os.environ.pop("JAX_HOCCL_FAILURE_LOG")
+        if me == 1:
+            time.sleep(8)  # past process 0's timeout in the same psum
     t0 = time.time()
     try:
         if me == 1 and mode == "exit":
@@ -323,7 +327,7 @@ PEER_FAILURE_WORKER = textwrap.dedent("""
         print("ERROR after %.1f s:" % (time.time() - t0), str(e).replace(chr(10), " "), flush=True)
     else:
         print("NO ERROR", flush=True)
-    time.sleep(3)  # let the peer time out on its own before this process is gone
+    time.sleep(3 if mode != "late" else 6)  # the peer's turn before this process is gone
     os._exit(0)  # skip jax.distributed's shutdown barrier, which the dead peer cannot join
 """)
 
@@ -401,13 +405,31 @@ def test_peer_process_that_exits_is_reported_not_waited_for(tmp_path):
 def test_a_peer_in_another_call_is_named_in_the_timeout(tmp_path, mode, theirs):
   """On CPU the ranks' calls pair by instruction (XLA:CPU may run independent ones in any
   order), so a peer in another call (another op, or another shape: another program) is found
-  out by the timeout, whose message names both calls. (On CUDA, where calls pair by stream
-  order, the same is an immediate mismatch error: tests/test_gpu_multiprocess.py.)"""
+  out by the timeout, whose message names the other's call. The first rank to time out
+  breaks the group for both: the other fails at once with its reason. (On CUDA, where calls
+  pair by stream order, the same is an immediate mismatch error:
+  tests/test_gpu_multiprocess.py.)"""
   outs = _peer_failure(tmp_path, mode)
   for out in outs:
     assert "ERROR after" in out and "timed out" in out, out[-2000:]
-  assert f"(which is in {theirs}" in outs[0], outs[0][-2000:]  # rank 1's call, seen by rank 0
-  assert "(which is in psum (all_gather) of 16 bytes" in outs[1], outs[1][-2000:]
+  gave_up = [i for i, out in enumerate(outs) if "gave up on it" not in out]
+  assert len(gave_up) == 1, outs  # one rank timed out, the other got its reason
+  seen = {0: f"(which is in {theirs}", 1: "(which is in psum (all_gather) of 16 bytes"}
+  for out in outs:  # the call of the rank that did not give up, as the one that did saw it
+    assert seen[gave_up[0]] in out, out[-2000:]
+
+
+def test_a_group_one_rank_gave_up_on_fails_for_every_rank(tmp_path):
+  """Process 1 comes to the psum after process 0 timed out in it: its psum fails at once
+  with process 0's reason, naming process 0 as the rank that gave up, instead of returning a
+  value as if nothing had happened (the group is broken in its shared segment)."""
+  outs = _peer_failure(tmp_path, "late")
+  assert "ERROR after" in outs[0] and "timed out after 5 s" in outs[0], outs[0][-2000:]
+  assert "ERROR after" in outs[1] and "NO ERROR" not in outs[1], outs[1][-2000:]
+  line = outs[1].split("ERROR after ")[1].splitlines()[0]
+  assert "jax_hoccl psum" in line and "is unusable: rank 0 (device 0, process 0, pid" in line
+  assert "gave up on it: jax_hoccl psum" in line and "timed out after 5 s" in line, line
+  assert float(line.split(" s")[0]) < 5, line  # at once, not after a timeout of its own
 
 
 def test_launcher_runs_the_example_as_two_processes():
@@ -421,4 +443,80 @@ def test_launcher_runs_the_example_as_two_processes():
   text = out.stdout + out.stderr
   assert "[0] MATCH" in text and "[1] MATCH" in text, text[-3000:]
   assert "8 cpu devices, mesh dp=4 x tp=2" in text, text[-3000:]
-  assert not shared_memory_left()
+
+
+LAUNCHED = textwrap.dedent("""
+    import os, signal, sys, time
+    from jax_hoccl import launch
+    launch.initialize()
+    import jax, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jax_hoccl
+    print("SECRET", os.environ["JAX_HOCCL_JOB_SECRET"], flush=True)
+    mesh = jax.make_mesh((jax.device_count(),), ("x",))
+    f = jax.jit(jax.shard_map(lambda v: jax_hoccl.psum(v, "x"), mesh=mesh, in_specs=P("x"),
+                              out_specs=P("x")))
+    def ones(rows):
+        return jax.make_array_from_process_local_data(
+            NamedSharding(mesh, P("x")), np.ones(jax.local_device_count() * rows, np.float32))
+    f(ones(1)).block_until_ready()
+    print("FIRST OK", flush=True)
+    mode = os.environ["MODE"]
+    if jax.process_index() == 1:
+        if mode == "os._exit(0)":
+            os._exit(0)
+        if mode == "os._exit(3)":
+            os._exit(3)
+        if mode == "exception":
+            raise ValueError("process 1 broke")
+        if mode == "SIGKILL one":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "SIGKILL all":
+            os.killpg(0, signal.SIGKILL)  # every process of the job (the launcher is outside)
+        if mode == "hang":
+            time.sleep(1000)
+    f(ones(4096)).block_until_ready()  # larger: new staging, which a dead peer never maps
+    print("SECOND OK", flush=True)
+""")
+
+
+@pytest.mark.parametrize("mode,code,who,what", [
+    ("clean", 0, None, None),
+    ("os._exit(0)", 1, 0, "gave up: jax_hoccl psum (all_gather): rank"),  # its peer exited
+    ("os._exit(3)", 3, 1, "exited with code 3"),
+    ("exception", 1, 1, "gave up: uncaught ValueError: process 1 broke"),
+    ("SIGKILL one", 137, 1, "was killed by signal 9 (SIGKILL)"),
+    ("SIGKILL all", 137, None, "was killed by signal 9 (SIGKILL)"),  # whichever died first
+    ("hang", 1, 0, "gave up: jax_hoccl psum (all_gather): rank"),  # timed out on its peer
+])
+def test_launcher_ends_the_job_at_the_first_failure(tmp_path, mode, code, who, what):
+  """python -m jax_hoccl.launch -n 2: the first process that fails (exits non-zero, is killed,
+  raises, or gives up on a group because its peer exited or hangs) ends the job within
+  JAX_HOCCL_TIMEOUT_S and a few seconds (the subprocess timeout; it took 105 s, the
+  survivor's jax.distributed shutdown, before), with a summary naming that process, what
+  happened and its last lines, and its exit code; whatever the ending, nothing of the job
+  stays in /dev/shm."""
+  script = tmp_path / "prog.py"
+  script.write_text(LAUNCHED)
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_HOCCL_NODE")}
+  env.update(MODE=mode, JAX_HOCCL_TIMEOUT_S="5")
+  out = subprocess.run([sys.executable, "-P", "-m", "jax_hoccl.launch", "-n", "2", str(script)],
+                       env=env, capture_output=True, text=True, timeout=60)
+  text = out.stdout + out.stderr
+  secrets_seen = {line.split()[-1] for line in text.splitlines() if " SECRET " in line}
+  assert len(secrets_seen) == 1, text[-3000:]  # one job, one secret
+  secret = secrets_seen.pop()
+  assert not [f for f in os.listdir("/dev/shm") if secret in f], text[-3000:]
+  assert out.returncode == code, (out.returncode, text[-3000:])
+  assert "[1] FIRST OK" in text, text[-3000:]  # (process 0 may be killed before it prints)
+  if what is None:
+    assert "[0] SECOND OK" in text and "[1] SECOND OK" in text, text[-3000:]
+    assert "jax_hoccl.launch:" not in text, text[-3000:]
+    return
+  summary = out.stderr.split("jax_hoccl.launch: process ", 1)
+  assert len(summary) == 2, text[-3000:]
+  line = summary[1].splitlines()[0]
+  if who is not None:
+    assert line.startswith(f"{who} (pid "), line
+  assert what in line and "the other processes were stopped. Its last lines:" in line, line
+  assert "] FIRST OK" in summary[1], summary[1][-2000:]

@@ -91,3 +91,25 @@ def test_switch_reports_its_previous_state():
     assert hc.route_collectives(False) is False  # already off
   finally:
     hc.route_collectives(was)
+
+
+def test_switch_applies_to_what_was_not_lowered_before():
+  """route_collectives() applies to programs lowered after it, but for a function lowered
+  (or run) before it with the same argument types: JAX's cache hands back the old lowering,
+  even under a new jax.jit, as docs/supported.md says. Traced only, a function is routed."""
+  x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(MESH, P(("x", "y"))))
+  def make(k):
+    return jax.shard_map(lambda v: jax.lax.psum(v, "y") + k, mesh=MESH, in_specs=P(("x", "y")),
+                         out_specs=P(("x", "y")))
+  was = hc.route_collectives(False)
+  try:
+    run_before, traced_before = make(1.0), make(2.0)
+    jax.jit(run_before)(x)
+    jax.jit(traced_before).trace(x)
+    hc.route_collectives()
+    assert "hoccl_" not in jax.jit(run_before).lower(x).as_text()   # the cached lowering
+    assert "hoccl_" in jax.jit(run_before).lower(x[:, :4]).as_text()  # other types: new
+    assert "hoccl_" in jax.jit(traced_before).lower(x).as_text()
+    assert "hoccl_" in jax.jit(make(3.0)).lower(x).as_text()
+  finally:
+    hc.route_collectives(was)

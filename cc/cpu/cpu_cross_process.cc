@@ -40,9 +40,10 @@ std::string StagingName(const NodeRendezvous& rv, int rank, int index, uint64_t 
          std::to_string(generation);
 }
 
-// The last of the group's ranks to map a staging segment unlinks its name.
+// The last of the group's processes to map a staging segment unlinks its name (a process maps
+// it once for all its ranks; the owner's process counts as one at creation).
 void CountOpen(NodeRendezvous& rv, int owner, int index, const std::string& name) {
-  if (rv.Opens(owner, index)->fetch_add(1) + 1 == rv.size()) Unlink(name);
+  if (rv.Opens(owner, index)->fetch_add(1) + 1 == rv.processes()) Unlink(name);
 }
 
 // My staging of entry `index`, at least `bytes` large: a new generation when it must grow
@@ -60,16 +61,29 @@ std::string OwnStaging(NodeRendezvous& rv, int rank, int index, size_t bytes, Ma
   const std::string name = StagingName(rv, rank, index, generation);
   std::string err = MapShared(name, grown, true, &addr);
   if (!err.empty()) return err;
-  if (m.addr) munmap(m.addr, m.bytes);
+  if (m.addr) {
+    munmap(m.addr, m.bytes);
+    // A peer process that never mapped the old generation never will: its name goes now.
+    Unlink(StagingName(rv, rank, index, m.generation));
+  }
   m = Mapping{generation, grown, addr};
   rv.Opens(rank, index)->store(1);
   *out = &m;
   return "";
 }
 
-// A peer's staging as its entry describes it, mapped once per generation.
+// A peer's staging as its entry describes it, mapped once per generation (a peer of this
+// process: its owner's mapping).
 std::string PeerStaging(NodeRendezvous& rv, int peer, const PeerEntry& e, const void** out) {
   std::lock_guard<std::mutex> lock(g_mu);
+  if (rv.Local(peer)) {
+    auto it = Mine().find({&rv, peer, e.index});
+    if (it == Mine().end() || it->second.generation != e.payload[kGeneration])
+      return "jax_hoccl internal error: no staging of rank " + std::to_string(peer) +
+             " in its own process";
+    *out = it->second.addr;
+    return "";
+  }
   Mapping& m = Peers()[{&rv, peer, e.index}];
   const uint64_t generation = e.payload[kGeneration];
   if (m.addr && m.generation == generation) {

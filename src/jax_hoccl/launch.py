@@ -7,15 +7,26 @@ The program calls `jax_hoccl.launch.initialize()` before using jax (a no-op when
 started by this launcher). Process i gets GPU i; with fewer GPUs than processes they share
 GPU 0 (each with 1/N of its memory), under an MPS daemon of the launcher's own so that their
 kernels run at once instead of taking turns; without a GPU each gets 8/N virtual CPU devices
-(at least 1). Output lines are prefixed with the process index; the exit status is the first
-non-zero one.
+(at least 1). Output lines are prefixed with the process index.
+
+The first process that fails ends the job: as soon as one exits non-zero, is killed by a
+signal, or gives up on a jax_hoccl group (a timeout, a peer that exited, mismatched calls),
+the others are stopped (after 2 s for their last output: a process that fails often hangs
+in jax.distributed's shutdown, waiting for the peer it lost) and a summary names that
+process, its exit code or signal and its last lines; the launcher exits with its code
+(128 + the signal for a signal, 1 for a group error from a process that did not exit).
+Whatever the job left in /dev/shm (names carrying the job's secret, which the launcher
+makes) is removed when it ends, however it ends.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import glob
 import os
+import queue
+import secrets
 import shutil
 import signal
 import socket
@@ -23,8 +34,15 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 _ENV = "JAX_HOCCL_LAUNCH"  # "address,num_processes,process_id,local_gpu or -1"
+# The job's secret (its /dev/shm names derive from it), and the file a process appends
+# "pid<TAB>reason" to when it gives up on a group (cc/node_rendezvous.h, _src/job.py).
+SECRET_ENV = "JAX_HOCCL_JOB_SECRET"
+FAILURE_LOG_ENV = "JAX_HOCCL_FAILURE_LOG"
+_GRACE_S = 2.0  # after the first failure: the processes' last output, then they are stopped
+_TAIL_LINES = 20
 
 
 def initialize() -> bool:
@@ -38,7 +56,37 @@ def initialize() -> bool:
   if int(gpu) < 0:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # jax.lax across processes
   jax.distributed.initialize(address, num_processes=int(n), process_id=int(i), **kwargs)
+  _report_uncaught_exceptions()
   return True
+
+
+def report_failure(reason: str) -> None:
+  """Tells the launcher that this process failed (it then ends the job at once instead of
+  waiting for this process's exit, which jax.distributed's shutdown can hold up for minutes);
+  nothing outside the launcher."""
+  path = os.environ.get(FAILURE_LOG_ENV)
+  if not path:
+    return
+  line = f"{os.getpid()}\t{' '.join(reason.splitlines())}\n".encode()
+  try:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)  # never created here: the launcher's
+  except OSError:
+    return
+  try:
+    os.write(fd, line)
+  finally:
+    os.close(fd)
+
+
+def _report_uncaught_exceptions() -> None:
+  previous = sys.excepthook
+
+  def hook(kind, value, tb):
+    previous(kind, value, tb)
+    sys.stderr.flush()
+    report_failure(f"uncaught {kind.__name__}: {value}")
+
+  sys.excepthook = hook
 
 
 def local_address() -> str:
@@ -93,32 +141,168 @@ def end_group(procs) -> None:
     p.wait()
 
 
-def run_workers(source: str, n: int, env: dict, timeout: float,
-                directory: str | None = None) -> list[tuple[int, str]]:
+class _Rank:
+  """One process of a job: its output (kept whole, or echoed with a prefix) and last lines."""
+
+  def __init__(self, index: int, proc: subprocess.Popen, echo: bool):
+    self.index, self.proc, self.echo = index, proc, echo
+    self.lines: list[str] = []
+    self.tail: collections.deque = collections.deque(maxlen=_TAIL_LINES)
+    self.pump = threading.Thread(target=self._read, daemon=True)
+    self.pump.start()
+
+  def _read(self) -> None:
+    for line in self.proc.stdout:
+      self.tail.append(line)
+      if self.echo:
+        sys.stdout.write(f"[{self.index}] {line}")
+        sys.stdout.flush()
+      else:
+        self.lines.append(line)
+
+
+class JobResult:
+  """How a job ended: each process's exit status and output (what it printed; empty when
+  echoed), the first failure (None if none: its rank, what happened, its exit code for the
+  launcher), and a summary of it."""
+
+  def __init__(self, ranks, failure, timed_out, secret="", removed=()):
+    self.secret, self.removed = secret, list(removed)  # its /dev/shm names the launcher removed
+    self.codes = [r.proc.returncode for r in ranks]
+    self.outputs = ["".join(r.lines) for r in ranks]
+    self.failure, self.timed_out = failure, timed_out
+    self.summary = ""
+    if failure:
+      rank, what, _ = failure
+      last = "".join(f"  [{rank}] {line}" for line in ranks[rank].tail) if rank is not None else ""
+      who = f"process {rank} (pid {ranks[rank].proc.pid})" if rank is not None else "a process"
+      self.summary = (f"jax_hoccl.launch: {who} {what}; the other processes were stopped."
+                      + (f" Its last lines:\n{last}" if last else ""))
+
+  @property
+  def code(self) -> int:
+    return self.failure[2] if self.failure else 0
+
+
+def _exit_text(code: int) -> tuple[str, int]:
+  if code < 0:
+    try:
+      name = signal.Signals(-code).name
+    except ValueError:
+      name = "?"
+    return f"was killed by signal {-code} ({name})", 128 - code
+  return f"exited with code {code}", code
+
+
+def run_job(commands, envs, timeout: float | None = None, echo: bool = False, **popen) -> JobResult:
+  """Runs the commands as the processes 0..n-1 of one job (one process group, start_group)
+  and watches them: the first that exits non-zero, is killed by a signal or reports a failure
+  (report_failure, or cc/node_rendezvous.h's group errors) ends the job: the others are
+  stopped _GRACE_S later (sooner if all have exited), the group killed whole. Whatever the
+  job left in /dev/shm under its secret is removed (and listed in `removed`), however it
+  ended. timeout (seconds): the job is stopped then, and timed_out set."""
+  secret = secrets.token_hex(16)
+  folder = tempfile.mkdtemp(prefix="jax_hoccl-launch-")
+  log = os.path.join(folder, "failures")
+  open(log, "w").close()
+  envs = [{**env, SECRET_ENV: secret, FAILURE_LOG_ENV: log} for env in envs]
+  events: queue.Queue = queue.Queue()
+  ranks: list[_Rank] = []
+  failures = []  # (time, rank, what, code)
+  timed_out, stop_at, removed = False, None, []
+  try:
+    procs = start_group(commands, envs, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True, **popen)
+    ranks = [_Rank(i, p, echo) for i, p in enumerate(procs)]
+    pid_rank = {p.pid: i for i, p in enumerate(procs)}
+    for r in ranks:
+      threading.Thread(target=lambda r=r: events.put((r.index, r.proc.wait(), time.monotonic())),
+                       daemon=True).start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    offset, exited = 0, set()
+    while len(exited) < len(ranks):
+      try:
+        index, code, when = events.get(timeout=0.05)
+        exited.add(index)
+        if code != 0 and stop_at is None:
+          what, launcher_code = _exit_text(code)
+          failures.append((when, index, what, launcher_code))
+      except queue.Empty:
+        pass
+      with open(log) as f:
+        f.seek(offset)
+        text = f.read()
+      complete = text[:text.rfind("\n") + 1]
+      offset += len(complete.encode())
+      for line in complete.splitlines():
+        pid, _, reason = line.partition("\t")
+        index = pid_rank.get(int(pid)) if pid.isdigit() else None
+        if stop_at is None:
+          failures.append((time.monotonic(), index, f"gave up: {reason}", None))
+      now = time.monotonic()
+      if failures and stop_at is None:
+        stop_at = now + _GRACE_S
+      if stop_at is not None and now >= stop_at:
+        break
+      if deadline is not None and now >= deadline:
+        timed_out = True
+        break
+  finally:
+    end_group([r.proc for r in ranks])
+    for r in ranks:
+      r.pump.join(timeout=5)
+    removed = remove_job_shared_memory(secret)
+    shutil.rmtree(folder, ignore_errors=True)
+  failure = None
+  if failures:
+    _, index, what, code = min(failures, key=lambda f: f[0])
+    if code is None:  # a group error: the process's own code if it exited on its own, else 1
+      own = ranks[index].proc.returncode if index is not None else None
+      code = own if own and own > 0 and index in exited else 1
+    failure = (index, what, code)
+  return JobResult(ranks, failure, timed_out, secret, removed)
+
+
+def remove_job_shared_memory(secret: str) -> list[str]:
+  """Removes the /dev/shm names of the job with this secret (cc/node_rendezvous.cc names
+  them "jax_hoccl-<secret>-..."): what its processes could not unlink because they died
+  first. Returns the names removed."""
+  removed = []
+  for path in glob.glob(f"/dev/shm/jax_hoccl-{secret}*"):
+    try:
+      os.unlink(path)
+      removed.append(os.path.basename(path))
+    except OSError:
+      pass
+  return removed
+
+
+def run_worker_job(source: str, n: int, env: dict, timeout: float,
+                   directory: str | None = None) -> JobResult:
   """Runs the Python program `source` as processes 0..n-1 of a jax.distributed job on this
-  machine (argv: coordinator address, process id, n), one process group ended whole; each
-  process's (exit status, output). The program is written to `directory`/worker.py (kept, to
-  rerun by hand), else to a temp folder removed afterwards."""
+  machine (argv: coordinator address, process id, n) under run_job (the first failure ends
+  the job). The program is written to `directory`/worker.py (kept, to rerun by hand), else
+  to a temp folder removed afterwards. Raises subprocess.TimeoutExpired after `timeout`
+  seconds (the job stopped)."""
   address = local_address()
   with contextlib.ExitStack() as stack:
     tmp = directory or stack.enter_context(tempfile.TemporaryDirectory())
     script = os.path.join(tmp, "worker.py")
     with open(script, "w") as f:
       f.write(source)
-    procs = start_group([[sys.executable, "-P", script, address, str(i), str(n)]
-                         for i in range(n)], [env] * n, stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, text=True)
-    try:
-      outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-      end_group(procs)
-  return [(p.returncode, out) for p, out in zip(procs, outs)]
+    result = run_job([[sys.executable, "-P", script, address, str(i), str(n)]
+                      for i in range(n)], [env] * n, timeout=timeout)
+  if result.timed_out:
+    raise subprocess.TimeoutExpired(script, timeout, output="\n".join(
+        f"process {i}:\n{out[-3000:]}" for i, out in enumerate(result.outputs)))
+  return result
 
 
-def _pump(stream, prefix: str) -> None:
-  for line in stream:
-    sys.stdout.write(prefix + line)
-    sys.stdout.flush()
+def run_workers(source: str, n: int, env: dict, timeout: float,
+                directory: str | None = None) -> list[tuple[int, str]]:
+  """run_worker_job's processes' (exit status, output)."""
+  result = run_worker_job(source, n, env, timeout, directory)
+  return list(zip(result.codes, result.outputs))
 
 
 def main(argv=None) -> int:
@@ -159,31 +343,10 @@ def _run(a, gpus: int, shared: dict) -> int:
       env.setdefault("PJRT_NPROC", "16")
     env[_ENV] = f"{address},{a.nproc},{i},{gpu}"
     envs.append(env)
-  procs = start_group([[sys.executable, a.script, *a.args]] * a.nproc, envs,
-                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  pumps = [threading.Thread(target=_pump, args=(p.stdout, f"[{i}] "), daemon=True)
-           for i, p in enumerate(procs)]
-  for t in pumps:
-    t.start()
-  try:
-    # One process failing leaves its peers waiting for it: end them too.
-    codes = [None] * len(procs)
-    while None in codes:
-      for k, p in enumerate(procs):
-        if codes[k] is None:
-          try:
-            codes[k] = p.wait(timeout=0.2)
-          except subprocess.TimeoutExpired:
-            pass
-        if codes[k]:
-          for q in procs:
-            if q.poll() is None:
-              q.terminate()
-  finally:
-    end_group(procs)
-  for t in pumps:
-    t.join(timeout=5)
-  return next((c for c in codes if c), 0)
+  result = run_job([[sys.executable, a.script, *a.args]] * a.nproc, envs, echo=True)
+  if result.summary:
+    print(result.summary, file=sys.stderr, end="" if result.summary.endswith("\n") else "\n")
+  return result.code
 
 
 if __name__ == "__main__":

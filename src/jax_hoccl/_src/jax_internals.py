@@ -18,6 +18,8 @@ deflinear2 = ad.deflinear2
 lower_fun = mlir.lower_fun
 primitive_batchers = batching.primitive_batchers
 primitive_jvps = ad.primitive_jvps
+Zero = ad.Zero  # a symbolic zero tangent
+zero_tangent = ad.p2tz  # the symbolic zero tangent of a primal value
 not_mapped = None  # a batching rule's output dim for an unbatched result
 
 

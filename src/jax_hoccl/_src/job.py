@@ -58,7 +58,10 @@ def nodes(op: str = "collective") -> list[str]:
   timeout = timeout_s()
   deadline = time.monotonic() + timeout
   if me == 0:
-    client.key_value_set(_PREFIX + "secret", secrets.token_hex(16))
+    # python -m jax_hoccl.launch makes the secret, so that it can remove what a job that died
+    # left in /dev/shm (launch.run_job)
+    client.key_value_set(_PREFIX + "secret",
+                         os.environ.get("JAX_HOCCL_JOB_SECRET") or secrets.token_hex(16))
   client.key_value_set(_PREFIX + f"process/{me}", f"{os.getpid()} {_local_gpus()} {node_name()}")
 
   def get(key):
@@ -69,7 +72,10 @@ def nodes(op: str = "collective") -> list[str]:
     except Exception as e:  # jax.distributed's DEADLINE_EXCEEDED (its error type is private)
       if "DEADLINE_EXCEEDED" not in str(e):
         raise
-      raise RuntimeError(_never_joined(client, op, me, n, timeout)) from None
+      reason = _never_joined(client, op, me, n, timeout)
+      from jax_hoccl import launch  # the launcher, if any, ends the job at once
+      launch.report_failure(reason)
+      raise RuntimeError(reason) from None
 
   secret = get("secret")
   procs = [get(f"process/{i}").split(" ", 2) for i in range(n)]

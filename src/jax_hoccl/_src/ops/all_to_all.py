@@ -69,7 +69,7 @@ def exchange_stacked(x, axes, axis_size, skip_own=False, groups=None):
 def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None, tiled=False):
   """jax.lax.all_to_all on copy engines. Works on pytrees (leaves of one dtype and type in
   one exchange per bucket, buckets.py)."""
-  if axes_lib.split_vmap_axes(axis_name)[0]:  # a vmap axis: jax.lax's (see axes.py)
+  if common.split_vmap_axes(axis_name, "all_to_all")[0]:  # a vmap axis: jax.lax's (see axes.py)
     return jax.lax.all_to_all(x, axis_name, split_axis, concat_axis,
                               axis_index_groups=axis_index_groups, tiled=tiled)
   axes, n = axes_lib.check_axes(axis_name, "all_to_all")

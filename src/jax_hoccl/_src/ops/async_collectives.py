@@ -161,6 +161,32 @@ done_p.def_abstract_eval(_done_abstract_eval)
 ji.register_lowering(done_p, _done_lowering)
 ji.primitive_batchers[done_p] = _done_batch
 
+NOT_DIFFERENTIABLE = (
+    "async pairs (jax_hoccl.*_start / done) are not differentiable. Differentiate the "
+    "synchronous op instead (jax_hoccl.all_gather, psum, psum_scatter, all_to_all, ppermute), "
+    "or a fused op (all_gather_matmul, matmul_reduce_scatter, matmul_psum, matmul_all_to_all, "
+    "embedding_all_to_all), whose gradients overlap their exchanges themselves.")
+
+
+def _start_jvp(primals, tangents, *, op, **params):
+  # Called only when x carries a tangent (JAX skips rules whose tangents are all zero).
+  raise NotImplementedError(f"jax_hoccl {op} start: {NOT_DIFFERENTIABLE}")
+
+
+def _done_jvp(primals, tangents, *, site, wait_only, n_after):
+  # Arrays computed between start and done (deps) may carry tangents: they pass through
+  # unchanged, as done hands them back. The exchanged buffer may not.
+  if not wait_only and type(tangents[0]) is not ji.Zero:
+    raise NotImplementedError(f"jax_hoccl done: {NOT_DIFFERENTIABLE}")
+  outs = done_p.bind(*primals, site=site, wait_only=wait_only, n_after=n_after)
+  if wait_only:
+    return outs, [ji.zero_tangent(outs[0])]
+  return outs, [ji.zero_tangent(outs[0]), *tangents[2:len(primals) - n_after]]
+
+
+ji.primitive_jvps[start_p] = _start_jvp
+ji.primitive_jvps[done_p] = _done_jvp
+
 
 @jax.tree_util.register_pytree_node_class
 class Pending:
@@ -170,6 +196,7 @@ class Pending:
   def __init__(self, buffer, input, token, site, finish):
     self.buffer, self.input, self.token = buffer, input, token
     self.site, self.finish = site, finish
+    self.waited = False  # done was called (a second call would sum or wait twice)
 
   def tree_flatten(self):
     return (self.buffer, self.input, self.token), (self.site, self.finish)
@@ -205,6 +232,10 @@ def done(pending: Pending, *deps):
   and done as `deps` so XLA cannot move that compute after the wait."""
   if not isinstance(pending, Pending):
     raise TypeError(f"jax_hoccl.done expects what a *_start returned, got {type(pending)}")
+  if pending.waited:
+    raise ValueError("jax_hoccl.done: this Pending was already passed to done; each start's "
+                     "Pending goes to done exactly once (done's result is the exchange's).")
+  pending.waited = True
   flat, tree = jax.tree.flatten(deps)
   buf, *flat = done_p.bind(pending.buffer, pending.input, *flat, site=pending.site,
                            wait_only=False, n_after=0)
@@ -260,7 +291,10 @@ def all_to_all_start(x, axis_name, *, tiled=True, order_input=True):
                      f"{n} blocks (the size of {axes}).")
   shape = x.shape
   blocks = common.ensure_varying(x, axes, "all_to_all_start").reshape(n, shape[0] // n, *shape[1:])
-  return _start("all_to_all", blocks, axes, n, order_input, finish=lambda y: y.reshape(shape))
+  pending = _start("all_to_all", blocks, axes, n, order_input, finish=lambda y: y.reshape(shape))
+  # pending.input in x's shape, as the other starts' (the blocks' reshape undone: a bitcast)
+  pending.input = pending.input.reshape(shape)
+  return pending
 
 
 @explicit_axes.typed_like()
@@ -300,9 +334,9 @@ def psum_scatter_start(x, axis_name, *, scatter_dimension=0, tiled=False, order_
     return scatter_result(common.sum_leading(got), scatter_dimension, tiled)
 
   pending = _start("all_to_all", blocks, axes, n, order_input, finish=finish)
-  if order_input:  # pending.input in x's layout (rank_blocks undone; a bitcast for axis 0)
-    d = scatter_dimension % len(shape)
-    pending.input = jnp.moveaxis(pending.input, 0, d).reshape(shape)
+  # pending.input in x's layout (rank_blocks undone; a bitcast for axis 0)
+  d = scatter_dimension % len(shape)
+  pending.input = jnp.moveaxis(pending.input, 0, d).reshape(shape)
   return pending
 
 

@@ -9,6 +9,23 @@ from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 
 
+def split_vmap_axes(axis_name, op: str) -> tuple[tuple, tuple]:
+  """axes.split_vmap_axes: (vmap axes, mesh axes) of axis_name; with a vmap axis inside a
+  shard_map under check_vma=True, a clear error. jax.lax's collectives fail there too (over a
+  vmap and a mesh axis a ValueError, the input being varying over one and invariant over the
+  other; over a vmap axis alone an AssertionError)."""
+  vmapped, mesh_axes = axes_lib.split_vmap_axes(axis_name)
+  manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ()
+  if vmapped and manual and ji.check_vma_enabled():
+    names = ", ".join(repr(a) for a in vmapped)
+    raise ValueError(
+        f"jax_hoccl.{op}: axis_name {axis_name!r} names the jax.vmap axis {names}, which inside "
+        "shard_map(..., check_vma=True) no collective can take: the input's type is varying "
+        "or invariant over mesh axes only, and jax.lax's collectives fail there as well. Use "
+        "shard_map(..., check_vma=False), or reduce over the batch dimension outside the vmap.")
+  return vmapped, mesh_axes
+
+
 def sum_leading(x):
   """Sum over axis 0 as a left fold in rank order (x[0] + x[1] + ...), which XLA fuses into
   one elementwise pass. bf16/f16 (and float8) accumulate in f32 and round once. The fixed

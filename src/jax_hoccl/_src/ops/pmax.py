@@ -71,7 +71,7 @@ branches.register(extremum_p)
 
 
 def _extremum(x, axis_name, axis_index_groups, op):
-  vmapped, axis_name = axes_lib.split_vmap_axes(axis_name)
+  vmapped, axis_name = common.split_vmap_axes(axis_name, op)
   if vmapped:  # the vmap part stays on the device: jax.lax's
     x = getattr(jax.lax, op)(x, vmapped, axis_index_groups=axis_index_groups)
   if not axis_name:

@@ -81,7 +81,7 @@ def ppermute(x, axis_name, perm):
   if not isinstance(perm, (list, tuple)):  # as jax.lax: a one-shot iterator would be empty on a retrace
     raise TypeError(f"jax_hoccl.ppermute: perm must be a list or a tuple of (source, "
                     f"destination) pairs, got {type(perm).__name__}.")
-  if axes_lib.split_vmap_axes(axis_name)[0]:  # a vmap axis: jax.lax's (see axes.py)
+  if common.split_vmap_axes(axis_name, "ppermute")[0]:  # a vmap axis: jax.lax's (see axes.py)
     return jax.lax.ppermute(x, axis_name, perm)
   axes, n = axes_lib.check_axes(axis_name, "ppermute")
   mesh = jax.sharding.get_abstract_mesh()

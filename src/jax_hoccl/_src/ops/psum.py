@@ -144,7 +144,7 @@ def psum(x, axis_name, *, axis_index_groups=None):
   type are summed in one exchange per bucket (buckets.py). axis_index_groups: with
   check_vma=False, like jax.lax (which refuses them under check_vma=True); groups of unequal
   sizes gather every block along the axes and sum my group's."""
-  vmapped, axis_name = axes_lib.split_vmap_axes(axis_name)
+  vmapped, axis_name = common.split_vmap_axes(axis_name, "psum")
   if vmapped:  # the vmap part stays on the device: jax.lax's
     x = jax.lax.psum(x, vmapped, axis_index_groups=axis_index_groups)
   if not axis_name:  # psum(x, ()) is x, as in jax.lax
@@ -186,7 +186,7 @@ def pmean(x, axis_name, *, axis_index_groups=None):
   as jax.lax does it (integers become floats). Works on pytrees. With axis_index_groups of
   unequal sizes each group divides by its own size (jax.lax 0.11.2 divides every group's sum
   by the first group's size)."""
-  vmapped, mesh_axes = axes_lib.split_vmap_axes(axis_name)
+  vmapped, mesh_axes = common.split_vmap_axes(axis_name, "pmean")
   if not mesh_axes:  # nothing crosses devices (a vmap axis, or no axis): jax.lax's
     return jax.lax.pmean(x, axis_name, axis_index_groups=axis_index_groups)
   axes, n = axes_lib.check_axes(mesh_axes, "pmean")
