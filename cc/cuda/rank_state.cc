@@ -118,6 +118,10 @@ std::string SetupRank(RankState& st, Communicator& comm, const OpSpec& spec, int
     err = EnablePeerAccess(device, attr.device);
     if (!err.empty()) return err;
   }
+  if (!AllLocal(comm.device_ids())) {
+    err = NodeRendezvous::Get(comm.device_ids(), op, &st.node);
+    if (!err.empty()) return err;
+  }
   st.device = device;
   st.flags = static_cast<uint64_t*>(p);
   st.peer_base.resize(n);

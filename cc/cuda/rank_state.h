@@ -18,6 +18,7 @@
 
 #include "communicator.h"
 #include "cuda/transport/peer_transport.h"
+#include "node_rendezvous.h"
 #include "plan.h"
 
 namespace hoccl {
@@ -43,6 +44,9 @@ struct RankState {
   std::string setup_error;  // a failed setup is final
   int device = -1;
   std::unique_ptr<PeerTransport> transport;
+  // The group's node rendezvous where it spans processes (a rank that gives up records it
+  // there, and every rank's next call sees it), else null.
+  NodeRendezvous* node = nullptr;
   // The zero-copy path's flags (cuda_executor.h), mine and every rank's by rank.
   uint64_t* flags = nullptr;
   std::vector<uint64_t*> peer_flags;

@@ -107,6 +107,13 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
   StagedLane& sl = st.staged[lane];
   const uint64_t call = sl.calls;
   const int set = captured ? kCapturedSet : SlotSet(lane, static_cast<int>(call & 1));
+  if (!captured && st.node) {  // a rank of another process gave up on the group
+    std::string broken = st.node->Broken(op);
+    if (!broken.empty()) {
+      comm.Break(broken);
+      return {ErrorKind::kDeadline, broken};
+    }
+  }
   if (!captured) {
     // Far ahead of the GPU: wait for it (the watchdog's records of the oldest call stay).
     while (call - st.progress[lane] >= StagedLane::kNamed) {

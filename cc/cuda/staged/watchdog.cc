@@ -123,6 +123,7 @@ void Fire(Watched& w, int lane, uint64_t call, const std::string& why) {
   std::fprintf(stderr, "%s\n", msg.c_str());
   std::fflush(stderr);
   w.comm->Break(msg);
+  if (w.st->node) w.st->node->Fail(w.rank, sl.names[call % StagedLane::kNamed], msg);
   w.fired = true;
 }
 
