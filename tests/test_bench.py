@@ -70,3 +70,21 @@ def test_per_call_rows_set_each_collective_beside_the_program_without_it(tmp_pat
   assert all(r["us_per_call"] > 0 and r["baseline_us_per_call"] > 0 for r in rows), rows
   assert rows[0]["baseline_us_per_call"] == rows[1]["baseline_us_per_call"]  # one baseline
   assert isinstance(result["host_profile"], list)  # (phases are counted by the CUDA engine)
+
+
+def test_steps_rows_set_each_step_beside_the_step_without_collectives(tmp_path):
+  """--steps: two processes of one CPU device each; a step row per collective beside the same
+  step without one, the chained collectives' device time and decode's GEMV + psum beside the
+  GEMV alone."""
+  from jax_hoccl.bench import steps
+  result = json.load(open(steps.run(str(tmp_path), "test", floor_us=9.9)))
+  rows = result["step"]
+  assert sorted(r["op"] for r in rows) == ["all_gather", "ppermute", "psum"], rows
+  for r in rows:
+    assert r["layers"] == steps.LAYERS and r["ranks"] == 2 and r["floor_us"] == 9.9
+    assert r["us_per_step"] > 0 and r["baseline_us_per_step"] > 0
+    assert abs(r["per_collective_us"] * r["layers"]
+               - (r["us_per_step"] - r["baseline_us_per_step"])) < 1e-6
+  assert sorted(r["op"] for r in result["device_latency"]) == ["all_gather", "psum"]
+  assert [r["rows"] for r in result["decode"]] == [1, 8, 64]
+  assert all(r["us_per_call"] > 0 and r["gemv_us_per_call"] > 0 for r in result["decode"])

@@ -5,6 +5,7 @@
     python -m jax_hoccl.bench --ops psum,all_gather --sizes 1,16 --dtype bfloat16
     python -m jax_hoccl.bench --processes      # one process per device against one process
     python -m jax_hoccl.bench --overlap        # fused ops, two ranks on one GPU under MPS
+    python -m jax_hoccl.bench --steps          # steps of small layers, decode, across processes
     python -m jax_hoccl.bench --plot DIR RESULTS.json   # PNG figures (needs matplotlib)
     python -m jax_hoccl.bench --model RESULTS.json ... # fit the cost model, no devices needed
     python -m jax_hoccl.bench --model                  # measure the collectives here, then fit
@@ -74,6 +75,12 @@ def parse_args(argv):
                        "with the SMs split")
   ap.add_argument("--processes", action="store_true",
                   help="host time per call across processes against inside one")
+  ap.add_argument("--steps", action="store_true",
+                  help="steps of small layers and decode's GEMV + psum across processes, "
+                       "command buffers on and off; the device time of chained collectives")
+  ap.add_argument("--staged-floor-us", type=float, default=None,
+                  help="with --steps: the staged one-hop floor measured beside the run, kept "
+                       "in its rows")
   ap.add_argument("--out", default="benchmarks/results", help="folder of the results JSON")
   ap.add_argument("--plot", metavar="DIR", help="write PNG figures of RESULTS.json to DIR")
   ap.add_argument("--model", action="store_true",
@@ -108,6 +115,10 @@ def main(argv=None) -> int:
   if a.overlap:
     from jax_hoccl.bench import overlap
     print("wrote", overlap.run(a.out, _commit()))
+    return 0
+  if a.steps:
+    from jax_hoccl.bench import steps
+    print("wrote", steps.run(a.out, _commit(), a.staged_floor_us))
     return 0
   if a.processes:
     from jax_hoccl.bench import processes

@@ -17,11 +17,13 @@ def results(runs) -> list:
 
 
 def slowest(rows_per_rank, keys) -> list[dict]:
-  """Rank 0's rows with each of `keys` the largest over the ranks (rows in the same order)."""
+  """Rank 0's rows with each of `keys` (that a row has) the largest over the ranks (rows in
+  the same order)."""
   rows = []
   for per_rank in zip(*rows_per_rank):
     row = dict(per_rank[0])
     for key in keys:
-      row[key] = max(r[key] for r in per_rank)
+      if key in row:
+        row[key] = max(r[key] for r in per_rank)
     rows.append(row)
   return rows
