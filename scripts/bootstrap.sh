@@ -85,13 +85,18 @@ else
   $PY -c "import pytest" >/dev/null 2>&1 || extras+=(pytest)
   $PY -c "import matplotlib" >/dev/null 2>&1 || extras+=(matplotlib)
   $PY -c "import flax, optax" >/dev/null 2>&1 || extras+=("flax==0.12.12" "optax==0.2.8")
-  RUFF_VERSION=0.17.6 CLANG_FORMAT_VERSION=23.1.5
-  .venv/bin/ruff --version 2>/dev/null | grep -qx "ruff ${RUFF_VERSION}" || extras+=("ruff==${RUFF_VERSION}")
-  .venv/bin/clang-format --version 2>/dev/null | grep -q "version ${CLANG_FORMAT_VERSION}" ||
-    extras+=("clang-format==${CLANG_FORMAT_VERSION}")
   if [ ${#extras[@]} -gt 0 ] && ! $PY -m pip install -q --retries 1 --timeout 10 "${extras[@]}" "$jax_pin"; then
-    echo "bootstrap.sh: could not install ${extras[*]} (no package index?): the main job runs," \
-         "the tests, the Flax example and the linters need them" >&2
+    echo "bootstrap.sh: could not install ${extras[*]} (no package index?): the main job runs;" \
+         "the tests and the Flax example need them" >&2
+  fi
+  # (into .venv/bin even if the reused Python has them: scripts/run_tests.sh runs them from there)
+  RUFF_VERSION=0.17.6 CLANG_FORMAT_VERSION=23.1.5
+  if ! { .venv/bin/ruff --version 2>/dev/null | grep -qx "ruff ${RUFF_VERSION}" &&
+         .venv/bin/clang-format --version 2>/dev/null | grep -q "version ${CLANG_FORMAT_VERSION}"; } &&
+     ! $PY -m pip install -q --retries 1 --timeout 10 --ignore-installed "ruff==${RUFF_VERSION}" \
+         "clang-format==${CLANG_FORMAT_VERSION}"; then
+    echo "bootstrap.sh: could not install ruff and clang-format (no package index?): the main" \
+         "job runs; scripts/run_tests.sh's lint needs them" >&2
   fi
 fi
 # Build and install jax_hoccl itself (the CUDA engine too when nvcc is found).
