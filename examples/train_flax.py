@@ -19,18 +19,27 @@ What it shows
     collective at all.
   * With --check (the default) it trains twice from the same init on the same data: jax_hoccl
     (route_collectives on, C = jax_hoccl) and jax.lax (route_collectives off, C = jax.lax),
-    compares the loss curves (float32, rtol 1e-4), prints MATCH or FAIL and exits non-zero on a mismatch.
+    compares the loss curves (float32, matmul precision "highest" in both runs, rtol 1e-4),
+    prints MATCH or FAIL and exits non-zero on a mismatch. Where jax.lax cannot run across the
+    processes (ranks sharing a GPU: NCCL refuses them) the reference is the same model on one
+    device.
+  * The parameters are created on one device in every process, then placed on the mesh with
+    jax.make_array_from_callback (as the batches are): across processes that starts no XLA
+    collective, where creating them sharded or jax.device_put would.
 
 The task: next-token prediction on sequences x[t+1] = (3 x[t] + 7) mod V from random starts;
 an MLP per token can learn it, and the script asserts the final loss is below half the first.
 
-Needs flax and optax (`pip install ".[examples]"`). Run (CPU: 8 virtual devices, 4 x 2 mesh):
+Needs flax and optax (`pip install ".[examples]"`). Run (CPU: 8 virtual devices, a 4 x 2 mesh;
+1 GPU: 1 x 1; n GPUs: n/2 x 2):
     python examples/train_flax.py
     python examples/train_flax.py --dp 2 --tp 4 --steps 60
+    python -m jax_hoccl.launch -n 2 examples/train_flax.py   # one process per GPU (1 GPU: shared)
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -54,6 +63,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
   sys.exit(f"examples/train_flax.py needs flax and optax: pip install \".[examples]\" ({e})")
 
 import jax_hoccl  # noqa: E402
+import jax_hoccl.launch  # noqa: E402
+
+jax_hoccl.launch.initialize()  # joins the other processes when launched that way
 
 DP, TP = "dp", "tp"
 XLA_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
@@ -153,25 +165,48 @@ def batches(args, vocab):
     yield seq[:, :-1], seq[:, 1:]
 
 
+def place(tree, specs, mesh):
+  """Host values onto the mesh: each process builds its own devices' shards from its copy
+  (jax.make_array_from_callback), which starts no XLA collective. (jax.device_put, or a
+  parameter created sharded, across processes first checks or moves data with an XLA
+  collective: NCCL on GPUs, which refuses ranks that share a GPU.)"""
+  return jax.tree.map(
+      lambda x, s: jax.make_array_from_callback(np.shape(x), NamedSharding(mesh, s),
+                                                lambda index: np.asarray(x)[index]),
+      tree, specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def gpus_shared() -> bool:
+  """Whether two processes of this job share a GPU (`python -m jax_hoccl.launch` with fewer GPUs
+  than processes). jax.lax across processes runs on NCCL, which refuses that."""
+  if jax.process_count() == 1 or jax.devices()[0].platform != "gpu":
+    return False
+  from jax_hoccl._src import job  # the job as jax_hoccl's engines see it: processes, GPUs
+  return job.gpus_shared("examples/train_flax.py")
+
+
 def train(impl: str, args, mesh):
   """Trains from the same init on the same data; returns (losses, XLA collectives in the
   compiled step)."""
   C = jax_hoccl if impl == "hoccl" else jax.lax
   was = jax_hoccl.route_collectives(impl == "hoccl")  # jax.lax's and JAX's own collectives: jax_hoccl's or XLA's
   try:
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), nnx.use_eager_sharding(False):
+      # Created on this process's default device, then placed: the same init in every process.
       model = Model(args.vocab, args.d, args.hidden, args.seq, args.layers, nnx.Rngs(args.seed))
       graphdef, params = nnx.split(model, nnx.Param)
       specs = nnx.get_partition_spec(params)
+      params = place(jax.tree.map(np.asarray, params), specs, mesh)
       tx = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps), weight_decay=1e-4)
-      opt_state = tx.init(params)
+      # optax's moments take the parameters' shardings; its step count, made on one device,
+      # is placed on the mesh (replicated) like the rest.
+      opt_state = jax.tree.map(
+          lambda x: x if x.sharding.device_set == set(mesh.devices.flat)
+          else place(np.asarray(x), P(), mesh), tx.init(params))
       step = make_train_step(C, graphdef, specs, mesh, tx, mesh.shape[DP])
-      tokens_sharding = NamedSharding(mesh, P(DP, TP))
-      targets_sharding = NamedSharding(mesh, P(DP))
       losses, found = [], None
       for tokens, targets in batches(args, args.vocab):
-        tokens = jax.device_put(tokens, tokens_sharding)
-        targets = jax.device_put(targets, targets_sharding)
+        tokens, targets = place((tokens, targets), (P(DP, TP), P(DP)), mesh)
         if found is None:
           hlo = step.lower(params, opt_state, tokens, targets).compile().as_text()
           found = sorted({c for c in XLA_COLLECTIVES if c in hlo})
@@ -182,13 +217,18 @@ def train(impl: str, args, mesh):
   return np.array(losses), found
 
 
+def default_mesh_shape(n: int) -> tuple[int, int]:
+  tp = 2 if n >= 2 and n % 2 == 0 else 1
+  return n // tp, tp
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--impl", choices=("hoccl", "lax"), default="hoccl")
   ap.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                   help="also train with jax.lax and compare the loss curves (default on)")
   ap.add_argument("--dp", type=int, default=None, help="default: devices / tp")
-  ap.add_argument("--tp", type=int, default=2)
+  ap.add_argument("--tp", type=int, help="default 2 if the devices divide by 2, else 1")
   ap.add_argument("--steps", type=int, default=40)
   ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--seq", type=int, default=16)
@@ -198,15 +238,40 @@ def main(argv=None) -> int:
   ap.add_argument("--layers", type=int, default=2)
   ap.add_argument("--lr", type=float, default=1e-2)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--reference", choices=("mesh", "one-device"),
+                  help="the check's reference: jax.lax on the same mesh, or the same model on "
+                       "one device (default: mesh, one-device where ranks share a GPU)")
   args = ap.parse_args(argv)
-  dp = args.dp or jax.device_count() // args.tp
-  mesh = jax.make_mesh((dp, args.tp), (DP, TP), devices=jax.devices()[:dp * args.tp])
+  n = jax.device_count()
+  dp, tp = default_mesh_shape(n)
+  if args.tp:
+    tp, dp = args.tp, args.dp or n // args.tp
+  elif args.dp:
+    dp, tp = args.dp, n // args.dp
+  if dp * tp > n or dp * tp == 0:
+    sys.exit(f"mesh {dp}x{tp} needs {dp * tp} devices, have {n}")
+  mesh = jax.make_mesh((dp, tp), (DP, TP), devices=jax.devices()[:dp * tp])
+  # The reference: jax.lax on the same mesh, or where it cannot run across the processes (ranks
+  # sharing a GPU) the same model on one device of this process.
+  reference = args.reference or ("one-device" if gpus_shared() else "mesh")
+  ref_mesh = (jax.make_mesh((1, 1), (DP, TP), devices=jax.local_devices()[:1])
+              if reference == "one-device" else mesh)
+  ref_name = "lax, one device" if reference == "one-device" else "lax"
+  if args.impl == "lax" and gpus_shared():
+    sys.exit("--impl lax: jax.lax across processes cannot run where ranks share a GPU (NCCL "
+             "refuses them)")
   print(f"Flax {flax.__version__} NNX model, optax {optax.__version__}, dp={dp} x "
-        f"tp={args.tp} on {jax.devices()[0].platform}, {args.steps} steps")
+        f"tp={tp} on {n} {jax.devices()[0].platform} devices, {args.steps} steps")
 
-  losses, found = train(args.impl, args, mesh)
-  print(f"{args.impl}: loss {losses[0]:.4f} -> {losses[-1]:.4f}; XLA collectives in the "
-        f"compiled step: {', '.join(found) or 'none'}")
+  # GPUs run float32 matmuls at a lower precision by default (TF32 or bf16 passes), which two
+  # runs round differently: the check runs both at "highest", the precision of CPUs.
+  with jax.default_matmul_precision("highest") if args.check else contextlib.nullcontext():
+    losses, found = train(args.impl, args, mesh)
+    print(f"{args.impl}: loss {losses[0]:.4f} -> {losses[-1]:.4f}; XLA collectives in the "
+          f"compiled step: {', '.join(found) or 'none'}")
+    if args.check:
+      other = "lax" if args.impl == "hoccl" else "hoccl"
+      ref, ref_found = train(other, args, ref_mesh if other == "lax" else mesh)
   ok = True
   if args.impl == "hoccl" and found:
     print("FAIL: the jax_hoccl step still has XLA collectives")
@@ -215,14 +280,12 @@ def main(argv=None) -> int:
     print(f"FAIL: the model did not learn (loss {losses[0]:.4f} -> {losses[-1]:.4f})")
     ok = False
   if args.check:
-    other = "lax" if args.impl == "hoccl" else "hoccl"
-    ref, ref_found = train(other, args, mesh)
     err = float(np.max(np.abs(losses - ref) / np.maximum(np.abs(ref), 1e-6)))
     same = bool(np.allclose(losses, ref, rtol=1e-4, atol=0))
-    print(f"{other}: loss {ref[0]:.4f} -> {ref[-1]:.4f}; XLA collectives in the compiled "
-          f"step: {', '.join(ref_found) or 'none'}")
-    print(f"largest relative difference of the two loss curves {err:.2e}: "
-          f"{'MATCH' if same else 'FAIL'}")
+    print(f"{ref_name if other == 'lax' else other}: loss {ref[0]:.4f} -> {ref[-1]:.4f}; XLA "
+          f"collectives in the compiled step: {', '.join(ref_found) or 'none'}")
+    print(f"largest relative difference of the two loss curves {err:.2e} (float32, matmul "
+          f"precision 'highest' in both runs, rtol 1e-4): {'MATCH' if same else 'FAIL'}")
     ok = ok and same
   return 0 if ok else 1
 
