@@ -231,8 +231,9 @@ std::string StagedWait(NodeRendezvous& rv, int rank, std::vector<int>& missing, 
     }
     return false;
   });
-  // Nobody reads a notice: its owner releases it for every peer.
-  if (notice >= 0)
+  // Nobody reads a notice: its owner releases it for every peer. After a failure it stays, so
+  // that the peers' own timeouts still say where this rank gave up.
+  if (notice >= 0 && err.empty())
     for (int p = 1; p < rv.size(); ++p) rv.Release(rank, notice);
   return err;
 }
