@@ -287,3 +287,11 @@ def test_a_peer_in_another_op_at_the_same_instruction_is_a_mismatch(tmp_path):
     assert "called all_gather of 16 bytes" in line and "called ppermute of 16 bytes" in line, line
     assert "AGAIN after" in out, out[-2000:]
   assert not _left_by(outs)
+
+
+@pytest.mark.parametrize("raw", ["-1", "1MiB", "0.5"])
+def test_a_malformed_crossover_fails_naming_it(raw, monkeypatch):
+  from jax_hoccl._src import environment
+  monkeypatch.setenv("JAX_HOCCL_STAGED_BYTES", raw)
+  with pytest.raises(ValueError, match="JAX_HOCCL_STAGED_BYTES must be an integer >= 0"):
+    environment.check()
