@@ -28,7 +28,7 @@ size_t BlockBytes(const OpSpec& spec) {
 
 // Waits for peers' flags on this thread this long before a pool thread takes the wait over:
 // peers running in step arrive within microseconds, and a pool thread costs a wake-up.
-constexpr auto kInlineWait = std::chrono::microseconds(20);
+constexpr auto kInlineWait = std::chrono::microseconds(100);
 
 std::atomic<uint64_t> g_staged_calls{0};
 
