@@ -143,6 +143,7 @@ def run(out_dir: str, commit: str) -> str:
   base.update(OPS=json.dumps(OPS), BYTES=json.dumps(BYTES_PER_RANK))
   gpu = bool(glob.glob("/dev/nvidia[0-9]*"))
   jobs = 1 if gpu else JOBS
+  load = [os.getloadavg()[0]]  # a shared machine's load, at the start and the end
   rows, profile = [], []
   for n in ((2, 4) if gpu else (2,)):
     with contextlib.ExitStack() as stack:
@@ -166,12 +167,16 @@ def run(out_dir: str, commit: str) -> str:
                               "BYTES": json.dumps([64 << 10])})
           profile += found
   import jax
+  import jaxlib
+  load.append(os.getloadavg()[0])
   result = {"what": "time per jit call, back to back, against the same program without the "
                     "collective (median of 5 x 200 calls per job, median over jobs; "
                     "jax_hoccl/bench/processes.py)",
             "platform": plat,
             "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
-            "jax": jax.__version__, "commit": commit, "date": str(datetime.date.today()),
+            "load_average_1min": [round(x, 2) for x in load],
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "python": platform.python_version(), "commit": commit, "date": str(datetime.date.today()),
             "per_call": rows,
             "host_profile": [dict(r, mps=gpu) for r in profile]}
   print(f"{'op':<13} {'per rank':>9} ranks {'path':<10} {'us/call':>9} {'spread':>15} "
