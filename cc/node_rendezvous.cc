@@ -494,6 +494,12 @@ std::string NodeRendezvous::WaitReleased(int rank, int index, const char* op) {
                  [&] { return e.readers_left.load(std::memory_order_acquire) == 0; });
 }
 
+std::string NodeRendezvous::Wait(int rank, const std::vector<int>& peers, const char* op,
+                                 const std::string& waiting_for,
+                                 const std::function<bool()>& ready) {
+  return WaitFor(rank, peers, op, waiting_for, ready);
+}
+
 std::atomic<int32_t>* NodeRendezvous::Opens(int owner, int index) {
   return &seg_->box[owner].ring[index].opens;
 }

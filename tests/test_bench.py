@@ -59,15 +59,20 @@ def test_plot_draws_a_committed_result(tmp_path):
 
 def test_per_call_rows_set_each_collective_beside_the_program_without_it(tmp_path, monkeypatch):
   """--processes: two processes of one CPU device each; every (op, size) row carries the same
-  program's time without the collective, measured in the same job."""
+  program's time without the collective, measured in the same job, on each path (the staged
+  one by default, the rendezvous with JAX_HOCCL_STAGED_BYTES=0), as the engine counted it."""
   from jax_hoccl.bench import processes
   monkeypatch.setattr(processes, "OPS", ("psum", "ppermute"))
   monkeypatch.setattr(processes, "BYTES_PER_RANK", (4096,))
+  monkeypatch.setattr(processes, "JOBS", 1)
+  monkeypatch.delenv("JAX_HOCCL_STAGED_BYTES", raising=False)
   result = json.load(open(processes.run(str(tmp_path), "test")))
   rows = result["per_call"]
-  assert [(r["op"], r["bytes_per_rank"], r["ranks"], r["mps"]) for r in rows] == [
-      ("psum", 4096, 2, False), ("ppermute", 4096, 2, False)]
+  assert [(r["op"], r["bytes_per_rank"], r["ranks"], r["mps"], r["path"]) for r in rows] == [
+      ("psum", 4096, 2, False, "staged"), ("ppermute", 4096, 2, False, "staged"),
+      ("psum", 4096, 2, False, "rendezvous"), ("ppermute", 4096, 2, False, "rendezvous")]
   assert all(r["us_per_call"] > 0 and r["baseline_us_per_call"] > 0 for r in rows), rows
+  assert all(r["jobs"] == 1 and r["spread_us"] == [r["us_per_call"]] * 2 for r in rows), rows
   assert rows[0]["baseline_us_per_call"] == rows[1]["baseline_us_per_call"]  # one baseline
   assert isinstance(result["host_profile"], list)  # (phases are counted by the CUDA engine)
 

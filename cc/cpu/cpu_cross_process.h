@@ -24,6 +24,8 @@ std::string RunCpuAcrossProcesses(const OpSpec& spec, const std::vector<int64_t>
 
 // Shared-memory segments this process maps (staging and rendezvous), for leak tests.
 size_t LiveStagingMappings();
+// Calls this process ran on this path (tests and the benchmark: which path ran).
+uint64_t RendezvousCalls();
 
 }  // namespace hoccl
 

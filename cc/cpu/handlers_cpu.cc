@@ -14,6 +14,7 @@
 #include "communicator.h"
 #include "cpu/cpu_cross_process.h"
 #include "cpu/cpu_executor.h"
+#include "cpu/cpu_staged.h"
 #include "ffi/handler_common.h"
 #include "ffi/handlers.h"
 #include "host_profile.h"
@@ -71,7 +72,7 @@ ffi::Future Failed(ffi::Error error) {
 }
 
 // in_place: `in` is ignored, the input is my slot of the output (InputFor). A group that
-// spans processes runs on cpu_cross_process.h, off XLA's threads.
+// spans processes runs on cpu_staged.h or cpu_cross_process.h (off XLA's threads).
 ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* in, size_t in_bytes,
                    void* out_data, size_t out_bytes, const Group& group,
                    const ExchangeOptions& options) {
@@ -90,13 +91,17 @@ ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* i
     const std::string name = SiteName(call->site, OpName(op));
     const std::string what = name + " of " + std::to_string(spec.bytes) + " bytes (site " +
                              std::to_string(call->site) + ")";
-    RunDetached([=]() mutable {
-      std::string err = RunCpuAcrossProcesses(spec, ids, call->cross_key, what, in, out_data, name);
+    auto finish = [promise](const std::string& err) mutable {
       if (err.empty()) {
         promise.SetAvailable();
       } else {
         promise.SetError(ffi::Error(ffi::ErrorCode::kDeadlineExceeded, err));
       }
+    };
+    // Below the crossover the staged path (cpu_staged.h), else the per-call rendezvous.
+    if (RunCpuStaged(spec, ids, call->cross_key, what, in, out_data, name, finish)) return future;
+    RunDetached([=]() mutable {
+      finish(RunCpuAcrossProcesses(spec, ids, call->cross_key, what, in, out_data, name));
     });
     return future;
   }

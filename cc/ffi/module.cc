@@ -9,6 +9,8 @@
 
 #include "communicator.h"
 #include "cpu/cpu_cross_process.h"
+#include "cpu/cpu_staged.h"
+#include "cpu/staged_lane.h"
 #include "job.h"
 #include "node_rendezvous.h"
 #ifdef JAX_HOCCL_WITH_CUDA
@@ -133,6 +135,17 @@ NB_MODULE(_hoccl, m) {
   m.def("linked_shared_memory", &hoccl::LinkedSharedMemory,
         "names of POSIX shared memory this process created and has not unlinked");
   m.def("live_staging_mappings", &hoccl::LiveStagingMappings);
+  m.def("live_staged_mappings", &hoccl::LiveStagedMappings,
+        "shared-memory segments of the CPU engine's staged lanes this process maps");
+  m.def(
+      "cpu_calls_by_path",
+      [] {
+        nb::dict d;
+        d["staged"] = hoccl::StagedCalls();
+        d["rendezvous"] = hoccl::RendezvousCalls();
+        return d;
+      },
+      "calls across processes this process ran on each path of the CPU engine (cc/cpu/)");
   m.def("host_profile", &hoccl::HostProfileSnapshot, nb::arg("reset") = false,
         "(phase, calls, ns) of host time inside the handlers; set JAX_HOCCL_PROFILE=1 first");
 #ifdef JAX_HOCCL_WITH_CUDA

@@ -8,11 +8,18 @@ once, as on GPUs of their own; same-GPU copies run on SMs, HBM is shared and the
 NVLink: the host work per call and the protocol's hops transfer to several GPUs, the bytes'
 cost does not). Without a GPU, 2 processes of one CPU device each.
 
+Every size runs on both paths, in alternating jobs: the default crossover (calls up to 1 MiB
+per peer staged) and JAX_HOCCL_STAGED_BYTES=0 (the per-call rendezvous: zero copy on GPU);
+a JAX_HOCCL_STAGED_BYTES set by the caller runs alone. Without a GPU the jobs repeat (JOBS
+times: the machine may be shared) and a row holds the median over jobs and their spread.
+
     python -m jax_hoccl.bench --processes [--out DIR]
 
-Rows: {"op", "bytes_per_rank", "ranks", "mps", "us_per_call", "baseline_us_per_call"}, the
-slowest rank's; and "host_profile": the same calls' host time inside jax_hoccl's handlers by
-phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks).
+Rows: {"op", "bytes_per_rank", "ranks", "mps", "path", "us_per_call", "baseline_us_per_call",
+"jobs", "spread_us"}, the slowest rank's; "path" is the path the op's calls took ("staged",
+"rendezvous" or "zero_copy", as the engine counted them on CPU). And "host_profile": the same
+calls' host time inside jax_hoccl's handlers by phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB,
+2 ranks), on each path.
 """
 from __future__ import annotations
 
@@ -27,8 +34,9 @@ import textwrap
 from jax_hoccl.bench import ranks
 from jax_hoccl.launch import mps_daemon, run_workers
 
-OPS = ("psum", "all_gather", "ppermute")
+OPS = ("psum", "all_gather", "psum_scatter", "all_to_all", "ppermute")
 BYTES_PER_RANK = (4 << 10, 64 << 10, 1 << 20)
+JOBS = 5  # jobs per setting without a GPU
 
 WORKER = textwrap.dedent("""
     import json, os, sys, time
@@ -36,14 +44,18 @@ WORKER = textwrap.dedent("""
     import jax
     kw = {"local_device_ids": [0]} if os.environ.get("BENCH_GPU") else {}
     jax.distributed.initialize(addr, num_processes=n, process_id=me, **kw)
-    import numpy as np
+    import numpy as np, jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
     import jax_hoccl
+    from jax_hoccl import _hoccl
     mesh = jax.make_mesh((n,), ("x",))
     shift = [(i, (i + 1) % n) for i in range(n)]
     bodies = {
         "psum": lambda v: jax_hoccl.psum(v, "x") * 0.5,
         "all_gather": lambda v: jax_hoccl.all_gather(v, "x", tiled=True)[:v.shape[0]] * 0.5,
+        "psum_scatter": lambda v: jnp.tile(
+            jax_hoccl.psum_scatter(v, "x", scatter_dimension=1, tiled=True), (1, n)) * 0.5,
+        "all_to_all": lambda v: jax_hoccl.all_to_all(v, "x", 1, 1, tiled=True) * 0.5,
         "ppermute": lambda v: jax_hoccl.ppermute(v, "x", shift) * 0.5,
         "none": lambda v: v * 0.5,
     }
@@ -62,22 +74,31 @@ WORKER = textwrap.dedent("""
             rounds.append((time.perf_counter() - t0) / 200 * 1e6)
         return sorted(rounds)[2]  # (1 + 5 x 200 calls)
 
+    def timed(op, nbytes):  # (us per call, the path its calls took)
+        before = _hoccl.cpu_calls_by_path()
+        us = per_call(bodies[op], nbytes)
+        after = _hoccl.cpu_calls_by_path()
+        took = sorted(k for k in after if after[k] > before[k])
+        default = "staged" if os.environ.get("JAX_HOCCL_STAGED_BYTES") != "0" else "zero_copy"
+        return us, "+".join(took) or default  # the GPU engine counts no paths
+
     rows = []
     for nbytes in json.loads(os.environ["BYTES"]):
         if os.environ.get("JAX_HOCCL_PROFILE"):  # where a call's host time goes, by phase
-            from jax_hoccl import _hoccl
             for op in json.loads(os.environ["OPS"]):
                 per_call(bodies[op], nbytes)  # compiles and runs it
                 _hoccl.host_profile(True)
-                per_call(bodies[op], nbytes)
+                _, path = timed(op, nbytes)
                 for phase, calls, ns in _hoccl.host_profile(True):
-                    rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n, phase=phase,
-                                     us_per_call=ns / 1e3 / 1001, calls_per_call=calls / 1001))
+                    rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n, path=path,
+                                     phase=phase, us_per_call=ns / 1e3 / 1001,
+                                     calls_per_call=calls / 1001))
             continue
         base = per_call(bodies["none"], nbytes)
         for op in json.loads(os.environ["OPS"]):
-            rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n,
-                             us_per_call=per_call(bodies[op], nbytes), baseline_us_per_call=base))
+            us, path = timed(op, nbytes)
+            rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n, path=path, us_per_call=us,
+                             baseline_us_per_call=base))
     print("RESULT" + json.dumps({"rows": rows, "platform": jax.devices()[0].platform}), flush=True)
     os._exit(0)
 """)
@@ -92,6 +113,27 @@ def _run(n: int, env: dict):
           found[0]["platform"])
 
 
+def _settings() -> list[dict]:
+  """The crossover of each job: the caller's, else the default and 0 (both paths)."""
+  if os.environ.get("JAX_HOCCL_STAGED_BYTES"):
+    return [{}]
+  return [{}, {"JAX_HOCCL_STAGED_BYTES": "0"}]
+
+
+def _over_jobs(jobs: list[list[dict]]) -> list[dict]:
+  """One row per op, size and path: the median over jobs of the same setting, its spread."""
+  import statistics
+  out = []
+  for per_job in zip(*jobs):
+    times = [r["us_per_call"] for r in per_job]
+    row = dict(per_job[0], us_per_call=statistics.median(times),
+               baseline_us_per_call=statistics.median(r["baseline_us_per_call"]
+                                                      for r in per_job),
+               jobs=len(per_job), spread_us=[min(times), max(times)])
+    out.append(row)
+  return out
+
+
 def run(out_dir: str, commit: str) -> str:
   """Runs the jobs; writes and returns the results JSON's path."""
   base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_HOCCL_NODE")}
@@ -100,7 +142,9 @@ def run(out_dir: str, commit: str) -> str:
   base.setdefault("JAX_HOCCL_TIMEOUT_S", "60")
   base.update(OPS=json.dumps(OPS), BYTES=json.dumps(BYTES_PER_RANK))
   gpu = bool(glob.glob("/dev/nvidia[0-9]*"))
-  rows = []
+  jobs = 1 if gpu else JOBS
+  load = [os.getloadavg()[0]]  # a shared machine's load, at the start and the end
+  rows, profile = [], []
   for n in ((2, 4) if gpu else (2,)):
     with contextlib.ExitStack() as stack:
       if gpu:
@@ -109,26 +153,42 @@ def run(out_dir: str, commit: str) -> str:
                "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"}
       else:
         env = {**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-      job_rows, plat = _run(n, env)
-      rows += [dict(r, mps=gpu) for r in job_rows]
+      settings = _settings()
+      per_setting = [[] for _ in settings]
+      for _ in range(jobs):  # the settings alternate, so a busy spell hits both alike
+        for i, setting in enumerate(settings):
+          job_rows, plat = _run(n, {**env, **setting})
+          per_setting[i].append(job_rows)
+      for found in per_setting:
+        rows += [dict(r, mps=gpu) for r in _over_jobs(found)]
       if n == 2:  # the same calls with the handlers' host time counted by phase (64 KiB)
-        profile, _ = _run(n, {**env, "JAX_HOCCL_PROFILE": "1",
+        for setting in settings:
+          found, _ = _run(n, {**env, **setting, "JAX_HOCCL_PROFILE": "1",
                               "BYTES": json.dumps([64 << 10])})
+          profile += found
   import jax
+  import jaxlib
+  load.append(os.getloadavg()[0])
   result = {"what": "time per jit call, back to back, against the same program without the "
-                    "collective (median of 5 x 200 calls; jax_hoccl/bench/processes.py)",
+                    "collective (median of 5 x 200 calls per job, median over jobs; "
+                    "jax_hoccl/bench/processes.py)",
             "platform": plat,
             "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
-            "jax": jax.__version__, "commit": commit, "date": str(datetime.date.today()),
+            "load_average_1min": [round(x, 2) for x in load],
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "python": platform.python_version(), "commit": commit, "date": str(datetime.date.today()),
             "per_call": rows,
             "host_profile": [dict(r, mps=gpu) for r in profile]}
-  print(f"{'op':<11} {'per rank':>9} ranks {'us/call':>9} {'without':>9} {'added':>8}")
+  print(f"{'op':<13} {'per rank':>9} ranks {'path':<10} {'us/call':>9} {'spread':>15} "
+        f"{'without':>9} {'added':>8}")
   for r in rows:
-    print(f"{r['op']:<11} {r['bytes_per_rank']:9d} {r['ranks']:5d} {r['us_per_call']:9.1f} "
-          f"{r['baseline_us_per_call']:9.1f} {r['us_per_call'] - r['baseline_us_per_call']:8.1f}")
+    spread = f"{r['spread_us'][0]:.0f}-{r['spread_us'][1]:.0f}"
+    print(f"{r['op']:<13} {r['bytes_per_rank']:9d} {r['ranks']:5d} {r['path']:<10} "
+          f"{r['us_per_call']:9.1f} {spread:>15} {r['baseline_us_per_call']:9.1f} "
+          f"{r['us_per_call'] - r['baseline_us_per_call']:8.1f}")
   print("host time inside the handlers per call, 64 KiB, 2 ranks (JAX_HOCCL_PROFILE=1):")
   for r in result["host_profile"]:
-    print(f"  {r['op']:<11} {r['phase']:<28} {r['us_per_call']:8.1f} us")
+    print(f"  {r['op']:<13} {r['path']:<10} {r['phase']:<28} {r['us_per_call']:8.1f} us")
   os.makedirs(out_dir, exist_ok=True)
   name = os.path.join(out_dir, f"{result['date']}-{'1xH200' if gpu else 'cpu'}-per-call.json")
   with open(name, "w") as f:
