@@ -74,11 +74,10 @@ class NodeRendezvous {
   std::string WaitReleased(int rank, int index, const char* op);
   // For a transport that waits on memory of its own (cpu/staged_lane.h): this class's wait for
   // `ready` (the timeout, a peer's exit and the broken group end it, with this class's
-  // messages naming `peers`), a rank's description, and breaking the group with `msg`.
+  // messages naming `peers`), and a rank's description.
   std::string Wait(int rank, const std::vector<int>& peers, const char* op,
                    const std::string& waiting_for, const std::function<bool()>& ready);
   std::string DescribeRank(int rank) const { return Describe(rank); }
-  std::string Break(const std::string& msg) { return Fail(msg); }
 
   // Declares the group unusable for every rank: records `rank`'s `reason` in the shared
   // segment (the first reason recorded wins) and, when JAX_HOCCL_FAILURE_LOG names a file (the

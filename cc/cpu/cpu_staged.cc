@@ -137,7 +137,7 @@ struct Call {
   }
 
   void Finish(std::string err) {
-    if (err.empty() && !mismatch.empty()) err = lane->rv().Break(mismatch);
+    if (err.empty() && !mismatch.empty()) err = lane->rv().Fail(rank, op.c_str(), mismatch);
     if (err.empty()) {
       CopyOut();
       ++g_staged_calls;
@@ -155,7 +155,7 @@ struct Call {
     // My previous call of this lane ends within its own timeout, or breaks the group.
     std::string err =
         rv.Wait(rank, self, op.c_str(), "the previous " + what, [&] { return MyTurn(); });
-    if (err.empty()) err = rv.Broken();
+    if (err.empty()) err = rv.Broken(op.c_str());
     if (err.empty() && !pushed) Begin();
     if (err.empty())
       err = StagedWait(rv, rank, missing, op.c_str(), what, what, [&] { return TakeFlags(); });
@@ -191,7 +191,7 @@ bool RunCpuStaged(const OpSpec& spec, const std::vector<int64_t>& device_ids, ui
     return true;
   }
   call->lane = lane;
-  std::string err = lane->rv().Broken();
+  std::string err = lane->rv().Broken(call->op.c_str());
   if (!err.empty()) {
     call->done(err);
     return true;

@@ -139,14 +139,15 @@ std::string StagedLane::Get(NodeRendezvous& rv, const std::vector<int64_t>& devi
     std::string err = lane->SetUp(device_ids, rank, what, op);
     if (!err.empty()) {
       lane->UnlinkAll();
-      return rv.Break(err);
+      return rv.Fail(rank, op, err);
     }
     lane->ready_.store(true, std::memory_order_release);
   }
   if (capacity > lane->capacity_)  // another rank of this process came with a larger block
-    return rv.Break(std::string("jax_hoccl ") + op + ": mismatched collectives in group [" +
-                    IdsText(device_ids) + "]: " + rv.DescribeRank(rank) + " called " + what +
-                    ", larger than the same call of another rank of this process.");
+    return rv.Fail(rank, op,
+                   std::string("jax_hoccl ") + op + ": mismatched collectives in group [" +
+                       IdsText(device_ids) + "]: " + rv.DescribeRank(rank) + " called " + what +
+                       ", larger than the same call of another rank of this process.");
   *out = lane;
   return "";
 }

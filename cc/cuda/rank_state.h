@@ -29,7 +29,7 @@ constexpr int kMaxAsyncLanes = 4;
 constexpr int kLanes = 1 + kMaxAsyncLanes;
 
 // The staged path's bookkeeping of one lane (cuda/staged/staged_exchange.h).
-struct StagedLane {
+struct StagedLaneState {
   // Calls a lane may run ahead of the GPU: beyond it a call waits for the GPU to catch up.
   static constexpr int kNamed = 1024;
   uint64_t calls = 0;                 // staged calls enqueued so far; parity = calls % 2
@@ -53,7 +53,7 @@ struct RankState {
   // Every rank's allocation (by rank; [rank] is mine): flags, then the staged path's region
   // (cuda/staged/staged_layout.h) at the same offset in each.
   std::vector<char*> peer_base;
-  StagedLane staged[kLanes];
+  StagedLaneState staged[kLanes];
   bool watched = false;  // registered with the staged path's watchdog
   // Mapped host memory the GPU writes each lane's staged progress to (the watchdog reads it).
   volatile uint64_t* progress = nullptr;

@@ -104,7 +104,7 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
     return {ErrorKind::kInternal, std::string("jax_hoccl ") + op +
                                       ": only calls on XLA's stream "
                                       "are captured into CUDA graphs"};
-  StagedLane& sl = st.staged[lane];
+  StagedLaneState& sl = st.staged[lane];
   const uint64_t call = sl.calls;
   const int set = captured ? kCapturedSet : SlotSet(lane, static_cast<int>(call & 1));
   if (!captured && st.node) {  // a rank of another process gave up on the group
@@ -116,13 +116,13 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
   }
   if (!captured) {
     // Far ahead of the GPU: wait for it (the watchdog's records of the oldest call stay).
-    while (call - st.progress[lane] >= StagedLane::kNamed) {
+    while (call - st.progress[lane] >= StagedLaneState::kNamed) {
       std::string broken = comm.Broken();
       if (!broken.empty()) return {ErrorKind::kDeadline, broken};
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
-    std::strncpy(sl.names[call % StagedLane::kNamed], op, sizeof(sl.names[0]) - 1);
-    sl.values[call % StagedLane::kNamed] = value;
+    std::strncpy(sl.names[call % StagedLaneState::kNamed], op, sizeof(sl.names[0]) - 1);
+    sl.values[call % StagedLaneState::kNamed] = value;
     if (!st.watched) {
       WatchStaged(&comm, &st, r);
       st.watched = true;

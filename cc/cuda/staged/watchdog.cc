@@ -74,7 +74,7 @@ std::string ReadFlags(const Watched& w, int lane, int parity, std::vector<uint64
 void Release(const Watched& w, int lane, uint64_t call) {
   const int n = w.comm->size();
   const int parity = static_cast<int>(call & 1);
-  std::vector<uint64_t> values(n, w.st->staged[lane].values[call % StagedLane::kNamed]);
+  std::vector<uint64_t> values(n, w.st->staged[lane].values[call % StagedLaneState::kNamed]);
   if (cudaSetDevice(w.st->device) != cudaSuccess) return;
   cudaStream_t s = StreamFor(w.st->device);
   if (!s) return;
@@ -113,9 +113,9 @@ std::string Who(const Communicator& comm, const std::vector<int>& ranks) {
 }
 
 void Fire(Watched& w, int lane, uint64_t call, const std::string& why) {
-  const StagedLane& sl = w.st->staged[lane];
+  const StagedLaneState& sl = w.st->staged[lane];
   const std::string msg =
-      std::string("jax_hoccl ") + sl.names[call % StagedLane::kNamed] + " (rank " +
+      std::string("jax_hoccl ") + sl.names[call % StagedLaneState::kNamed] + " (rank " +
       std::to_string(w.rank) + " of " + std::to_string(w.comm->size()) + ", CUDA device " +
       std::to_string(w.st->device) + ", staged path, lane " + std::to_string(lane) + "): " + why +
       ". The watchdog released the wait on the GPU (that call's result is not valid); every "
@@ -123,7 +123,7 @@ void Fire(Watched& w, int lane, uint64_t call, const std::string& why) {
   std::fprintf(stderr, "%s\n", msg.c_str());
   std::fflush(stderr);
   w.comm->Break(msg);
-  if (w.st->node) w.st->node->Fail(w.rank, sl.names[call % StagedLane::kNamed], msg);
+  if (w.st->node) w.st->node->Fail(w.rank, sl.names[call % StagedLaneState::kNamed], msg);
   w.fired = true;
 }
 
@@ -141,7 +141,7 @@ void Check(Watched& w, int lane, Clock::time_point now) {
     return;
   }
   const auto stuck = now - lw.since;
-  const uint64_t expected = w.st->staged[lane].values[done % StagedLane::kNamed];
+  const uint64_t expected = w.st->staged[lane].values[done % StagedLaneState::kNamed];
   const double seconds = std::chrono::duration<double>(stuck).count();
   if (stuck >= kCheckFlags && now - lw.checked >= kCheckFlags) {
     lw.checked = now;
