@@ -407,7 +407,7 @@ STAGED_WORKER = PRELUDE + textwrap.dedent("""
     loop = fn(lambda v: jax.lax.fori_loop(0, 37, lambda i, a: jax_hoccl.ppermute(a, "tp", shift) + 1, v))
     got = mine(loop(shard(x)))
     assert np.allclose(got, (me - 37) % n + 1 + 37), got[0, :4]
-    # an async pair around a sync call: lanes 0 and 1
+    # an async pair (zero copy) around a staged sync call
     def pair(v):
         pending = jax_hoccl.psum_start(v, "tp")
         w = jax_hoccl.all_gather(pending.after_start(v) * 2, "tp", tiled=True)
@@ -684,7 +684,7 @@ def test_launcher_ends_a_failing_job_under_mps(tmp_path, n):
   summary and the failing process's code, and leave nothing in /dev/shm; a job launched
   after them still runs under MPS (the daemon was quit after its clients were ended)."""
   for mode, code, what in [("exit", 1, "gave up: jax_hoccl psum"),
-                           ("SIGKILL", 137, "process 1 (pid"),
+                           ("SIGKILL", 137, "1 (pid"),
                            ("hang", 1, "timed out after 3 s")]:
     rc, text = _launch(tmp_path, n, mode)
     assert rc == code and "jax_hoccl.launch: process" in text, (mode, rc, text[-3000:])

@@ -267,7 +267,9 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
     return {k, Prefix(spec, op, device) + err};
   }
   RankState& st = *rs;
-  if (!announce && st.progress && StagedEligible(spec))
+  // (Async starts keep the zero-copy path: their exchanges overlap compute, and a fused op's
+  // pipeline of them behind a peer that never comes is not yet proven to end in an error.)
+  if (!announce && lane == 0 && st.progress && StagedEligible(spec))
     return RunStaged(comm, st, spec, stream, input, output, lane, op);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
