@@ -181,8 +181,7 @@ def gpus_shared() -> bool:
   than processes). jax.lax across processes runs on NCCL, which refuses that."""
   if jax.process_count() == 1 or jax.devices()[0].platform != "gpu":
     return False
-  from jax_hoccl._src import job  # the job as jax_hoccl's engines see it: processes, GPUs
-  return job.gpus_shared("examples/train_flax.py")
+  return jax_hoccl.gpus_shared("examples/train_flax.py")
 
 
 def train(impl: str, args, mesh):

@@ -20,6 +20,7 @@ from jax_hoccl._src.ops.ppermute import ppermute
 from jax_hoccl._src.ops.pmax import pmax, pmin
 from jax_hoccl._src.ops.psum import pmean, psum, psum_algorithm
 from jax_hoccl._src.ops.psum_scatter import psum_scatter
+from jax_hoccl._src.job import gpus_shared
 from jax_hoccl._src.routing import route_collectives
 
 __version__ = "0.1.0"
@@ -36,4 +37,6 @@ __all__ = [
     # JAX's own psums (jax.lax.psum, implicit gradient sums) on jax_hoccl
     "route_collectives",
     "with_cuda",
+    # whether ranks of this job share a GPU (their copies then run on SMs; NCCL refuses them)
+    "gpus_shared",
 ]
