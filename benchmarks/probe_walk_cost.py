@@ -20,10 +20,8 @@ import argparse
 import concurrent.futures
 import datetime
 import json
-import os
 import platform
 import statistics
-import subprocess
 
 import numpy as np
 import jax
@@ -32,6 +30,7 @@ from jax.experimental.mosaic.gpu import profiler
 from jax_hoccl._src.fused.flagged import flagged_gemm as fg
 from jax_hoccl._src.fused.flagged import gather_walk as gig
 from jax_hoccl._src.fused.flagged import reduce_scatter_walk as gr
+from jax_hoccl.bench import __main__ as bench_main
 
 K = N = 8192
 bf = jnp.bfloat16
@@ -124,21 +123,11 @@ def measure(progs, exes, rounds, calls):
   return times
 
 
-def _commit():
-  if os.environ.get("JAX_HOCCL_COMMIT"):
-    return os.environ["JAX_HOCCL_COMMIT"]
-  try:
-    return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                   stderr=subprocess.DEVNULL).strip()
-  except Exception:
-    return "unknown"
-
-
 def write_json(path, rows):
   dev = jax.devices()[0]
   result = dict(machine=f"{platform.node()} (1x{dev.device_kind.replace(' ', '-')})", gpus=1,
                 devices=[str(dev.device_kind)], jax=jax.__version__,
-                date=datetime.date.today().isoformat(), commit=_commit(),
+                date=datetime.date.today().isoformat(), commit=bench_main._commit(),
                 python=platform.python_version(), dtype="bfloat16", walk_cost=rows)
   with open(path, "w") as f:
     json.dump(result, f, indent=1)
