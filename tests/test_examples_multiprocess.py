@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import XLA_COLLECTIVES, shared_memory_left
+from conftest import XLA_COLLECTIVES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAX_MISSING = [m for m in ("flax", "optax") if importlib.util.find_spec(m) is None]
@@ -24,20 +24,26 @@ EXAMPLES = [
 ]
 
 
+def _shared_memory():
+  return {f for f in os.listdir("/dev/shm") if f.startswith("jax_hoccl-")}
+
+
 def launch(example, *args, xla_flags=""):
+  """(exit status, output, jax_hoccl's names the job left in /dev/shm: none may survive)."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_HOCCL_NODE")}
   if xla_flags:
     env["XLA_FLAGS"] = xla_flags
+  before = _shared_memory()
   proc = subprocess.run([sys.executable, "-P", "-m", "jax_hoccl.launch", "-n", "2",
                          os.path.join(REPO, "examples", example), *args],
                         env=env, capture_output=True, text=True, timeout=600)
-  return proc.returncode, proc.stdout + proc.stderr
+  return proc.returncode, proc.stdout + proc.stderr, sorted(_shared_memory() - before)
 
 
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_jax_hoccl_run_compiles_no_xla_collective(tmp_path, example):
   dump = tmp_path / "hlo"
-  _, out = launch(example, "--no-check", "--steps", "3",
+  _, out, left = launch(example, "--no-check", "--steps", "3",
                   xla_flags=f"--xla_dump_to={dump} --xla_dump_hlo_as_text")
   for rank in (0, 1):  # both ranks trained to the end (3 steps are too few to learn)
     assert f"[{rank}] [hoccl] loss" in out or f"[{rank}] hoccl: loss" in out, out[-3000:]
@@ -45,17 +51,17 @@ def test_jax_hoccl_run_compiles_no_xla_collective(tmp_path, example):
   assert any("hoccl_" in t for t in texts.values()), sorted(texts)  # the train step is there
   found = {name: [c for c in XLA_COLLECTIVES if c in text] for name, text in texts.items()}
   assert not {k: v for k, v in found.items() if v}, "XLA collectives compiled"
-  assert not shared_memory_left()
+  assert not left, left
 
 
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_one_device_reference_matches(example):
   # (30 steps: too few for the transformer to learn, and so to exit 0; enough to compare)
-  _, out = launch(example, "--reference", "one-device", "--steps", "30")
+  _, out, left = launch(example, "--reference", "one-device", "--steps", "30")
   assert "Traceback" not in out, out[-3000:]
   for rank in (0, 1):
     assert f"[{rank}] " in out and "one device" in out, out[-3000:]
     assert any(line.startswith(f"[{rank}] ") and line.endswith("MATCH")
                for line in out.splitlines()), out[-3000:]
   assert "FAIL" not in out and "MISMATCH" not in out, out[-3000:]
-  assert not shared_memory_left()
+  assert not left, left
