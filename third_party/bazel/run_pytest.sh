@@ -23,7 +23,7 @@ tmp="${TEST_TMPDIR:-$(mktemp -d)}"
 src="$tmp/src"
 rm -rf "$src"
 mkdir -p "$src"
-for f in src/jax_hoccl tests examples benchmarks pyproject.toml README.md; do
+for f in src/jax_hoccl tests examples benchmarks scripts pyproject.toml README.md; do
   if [[ -e "$f" ]]; then cp -RL "$f" "$src/"; fi
 done
 cp -L "$plugin" "$src/bazel_pytest_plugin.py"
