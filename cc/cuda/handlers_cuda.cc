@@ -4,15 +4,13 @@
 // handlers are in fused/handlers_fused.cc.
 #include <cuda_runtime_api.h>
 
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
 #include "communicator.h"
 #include "cuda/async_streams.h"
 #include "cuda/cuda_executor.h"
+#include "cuda/cuda_util.h"
 #include "ffi/handler_common.h"
 #include "ffi/handlers.h"
 #include "host_profile.h"
@@ -29,18 +27,9 @@ ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffe
                    ffi::Result<ffi::AnyBuffer> out, const Group& group,
                    const ExchangeOptions& options) {
   HostTimer timer("collective");
-  static const bool debug = [] {
-    const char* v = std::getenv("JAX_HOCCL_DEBUG");
-    return v && *v && std::strcmp(v, "0") != 0;
-  }();
-  if (debug) {
-    std::fprintf(
-        stderr,
-        "[jax_hoccl] handler %s: device %lld, stream %p, %zu groups entries, group size %lld\n",
-        OpName(op), static_cast<long long>(device), static_cast<void*>(stream), group.ids.size(),
-        static_cast<long long>(group.size));
-    std::fflush(stderr);
-  }
+  HOCCL_TRACE("handler %s: device %lld, stream %p, %zu groups entries, group size %lld\n",
+              OpName(op), static_cast<long long>(device), static_cast<void*>(stream),
+              group.ids.size(), static_cast<long long>(group.size));
   OpSpec spec;
   std::vector<int64_t> ids;
   ffi::Error decoded = DecodeOp(op, GlobalDeviceId(device), x.size_bytes(), out->size_bytes(),

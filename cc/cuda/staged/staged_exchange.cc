@@ -176,8 +176,9 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
     cudaError_t e = cudaMemsetAsync(out, 0, block, stream);
     if (e != cudaSuccess) err = CudaError("cudaMemsetAsync", e);
   }
-  if (captured) g_captured_calls.fetch_add(1);
-  if (!captured) {  // counted even after an error: the watchdog sees through what was enqueued
+  if (captured) {
+    g_captured_calls.fetch_add(1);
+  } else {  // counted even after an error: the watchdog sees through what was enqueued
     sl.calls = call + 1;
     sl.enqueued.store(call + 1, std::memory_order_release);
   }
