@@ -164,13 +164,25 @@ FAILURE_WORKER = PRELUDE + textwrap.dedent("""
         xf = shard(np.ones((2 * 512, 512), jnp.bfloat16))
         fused = fn(lambda v: jax_hoccl.matmul_reduce_scatter(v, w, "tp"))
         fused.lower(xf).compile()
+    if mode == "absent_captured":  # a step XLA records into a CUDA graph, replayed from then on
+        wc = jnp.eye(4, dtype=jnp.float32)
+        def layers(v):
+            for _ in range(6):
+                v = jax_hoccl.psum(jnp.tanh(v @ wc), "tp") / n
+            return v
+        captured = jax.jit(jax.shard_map(layers, mesh=mesh, in_specs=spec, out_specs=spec,
+                                         check_vma=False))
+        xc = shard(np.ones((4, 4), np.float32))
+        for _ in range(3):
+            captured(xc).block_until_ready()
+        assert _hoccl.staged_captured_calls() > 0
     t0 = time.time()
     try:
         if me == 1 and mode == "exit":
             os._exit(0)
         if me == 1 and mode == "kill":
             os.kill(os.getpid(), 9)
-        if me == 1 and mode in ("absent", "absent_fused"):
+        if me == 1 and mode in ("absent", "absent_fused", "absent_captured"):
             time.sleep(20)
             os._exit(0)
         # On the staged path the call that lost its peer is released by the watchdog and the
@@ -180,6 +192,9 @@ FAILURE_WORKER = PRELUDE + textwrap.dedent("""
                 fn(lambda v: jax_hoccl.all_to_all(v, "tp", 0, 0, tiled=True))(x).block_until_ready()
             elif mode == "absent_fused":
                 fused(xf).block_until_ready()
+            elif mode == "absent_captured":  # the replay's wait is released, the next call raises
+                captured(xc).block_until_ready()
+                psum(x).block_until_ready()
             else:
                 psum(x).block_until_ready()
     except Exception as e:
@@ -594,6 +609,18 @@ def test_peer_that_never_calls_the_flagged_gemm_op(tmp_path):
   out = _run(tmp_path, FAILURE_WORKER, 120, {"MODE": "absent_fused", "JAX_HOCCL_TIMEOUT_S": "5"})[0]
   assert "ERROR after" in out and "timed out after 5 s" in out, out[-3000:]
   assert "jax_hoccl matmul_reduce_scatter" in out and "rank 1 (device" in out, out[-3000:]
+
+
+def test_peer_that_never_comes_to_a_captured_call(tmp_path):
+  """The wait is inside a replayed CUDA graph: no handler runs, the exchange kernel reports its
+  own stall, and the watchdog ends it."""
+  env = {"MODE": "absent_captured", "JAX_HOCCL_TIMEOUT_S": "5",
+         "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"}
+  with mps_daemon() as mps:
+    out = _run(tmp_path, FAILURE_WORKER, 120, {**env, **mps})[0]
+  assert "ERROR after" in out and "timed out after 5 s" in out, out[-3000:]
+  assert "inside a CUDA graph" in out and "rank 1 (device" in out, out[-3000:]
+  assert float(out.split("ERROR after ")[1].split(" s")[0]) < 15, out[-3000:]
 
 
 def test_peer_that_exits(tmp_path):

@@ -1,5 +1,6 @@
 #include "cuda/rank_state.h"
 
+#include <cstring>
 #include <map>
 #include <set>
 #include <utility>
@@ -62,12 +63,14 @@ std::string MakeTransport(Communicator& comm, int device, const char* op,
   return IpcTransport::Make(comm, device, op, out);
 }
 
-// Where the GPU reports each lane's staged progress: mapped host memory (the watchdog's).
-// Where a stream memory operation cannot write it, the staged path stays off (progress null).
+// Where the GPU reports each lane's staged progress, and the watchdog its verdict: mapped host
+// memory. Where a stream memory operation cannot write it, the staged path stays off
+// (progress null).
 std::string AllocProgress(RankState& st, cudaStream_t stream) {
+  static_assert(kLanes <= sizeof(StagedHostWords::progress) / sizeof(uint64_t), "lanes");
   void* host = nullptr;
-  HOCCL_CUDA_RETURN(cudaHostAlloc(&host, kLanes * sizeof(uint64_t), cudaHostAllocMapped));
-  for (int i = 0; i < kLanes; ++i) static_cast<volatile uint64_t*>(host)[i] = 0;
+  HOCCL_CUDA_RETURN(cudaHostAlloc(&host, sizeof(StagedHostWords), cudaHostAllocMapped));
+  std::memset(host, 0, sizeof(StagedHostWords));
   void* dev = nullptr;
   HOCCL_CUDA_RETURN(cudaHostGetDevicePointer(&dev, host, 0));
   const CUdeviceptr progress = static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(dev));
@@ -80,7 +83,9 @@ std::string AllocProgress(RankState& st, cudaStream_t stream) {
     cudaGetLastError();
     return "";
   }
-  st.progress = static_cast<volatile uint64_t*>(host);
+  st.host_words = static_cast<StagedHostWords*>(host);
+  st.host_words_device = static_cast<StagedHostWords*>(dev);
+  st.progress = st.host_words->progress;
   st.progress_device = progress;
   return "";
 }
@@ -101,6 +106,10 @@ std::string SetupRank(RankState& st, Communicator& comm, const OpSpec& spec, int
     if (e != cudaSuccess) err = CudaError("cudaMemsetAsync/cudaStreamSynchronize(flags)", e);
   }
   if (err.empty() && StagedRegionBytes(n)) err = AllocProgress(st, stream);
+  if (err.empty() && StagedRegionBytes(n)) {
+    cudaError_t e = LoadExchangeKernel();
+    if (e != cudaSuccess) err = CudaError("loading the staged exchange kernel", e);
+  }
   // Publish even on failure (as null) so peers fail fast instead of timing out.
   std::vector<uint64_t*> all;
   std::string xerr = transport.ExchangeFlags(

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "communicator.h"
+#include "cuda/staged/exchange_kernel.h"
 #include "cuda/transport/peer_transport.h"
 #include "node_rendezvous.h"
 #include "plan.h"
@@ -55,9 +56,16 @@ struct RankState {
   std::vector<char*> peer_base;
   StagedLaneState staged[kLanes];
   bool watched = false;  // registered with the staged path's watchdog
-  // Mapped host memory the GPU writes each lane's staged progress to (the watchdog reads it).
+  // Mapped host memory the GPU writes each lane's staged progress to (the watchdog reads it),
+  // and the rest of what the GPU and the watchdog tell each other; with its device address.
   volatile uint64_t* progress = nullptr;
   CUdeviceptr progress_device = 0;
+  StagedHostWords* host_words = nullptr;
+  StagedHostWords* host_words_device = nullptr;
+  // The user's ops of captured calls, by the tag their kernels carry (watchdog messages).
+  static constexpr int kCapturedNames = 256;
+  char captured_names[kCapturedNames][48] = {};
+  uint64_t captured_tags = 0;
 };
 
 // Bytes of the zero-copy path's flag arrays at the start of every rank's allocation.

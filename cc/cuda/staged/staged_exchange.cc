@@ -11,6 +11,7 @@
 
 #include "cuda/cuda_util.h"
 #include "cuda/driver_api.h"
+#include "cuda/staged/exchange_kernel.h"
 #include "cuda/staged/staged_layout.h"
 #include "cuda/staged/watchdog.h"
 #include "cuda/stream_mem_ops.h"
@@ -65,6 +66,11 @@ int PermuteSource(const OpSpec& spec, int rank) {
 
 }  // namespace
 
+bool StagedKernelOn() {
+  static const bool on = EnvInt("JAX_HOCCL_STAGED_KERNEL", 1, 0) != 0;
+  return on;
+}
+
 uint64_t StagedCapturedCalls() { return g_captured_calls.load(); }
 
 bool StagedEligible(const OpSpec& spec) {
@@ -114,6 +120,10 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
       return {ErrorKind::kDeadline, broken};
     }
   }
+  if (!st.watched) {
+    WatchStaged(&comm, &st, r);
+    st.watched = true;
+  }
   if (!captured) {
     // Far ahead of the GPU: wait for it (the watchdog's records of the oldest call stay).
     while (call - st.progress[lane] >= StagedLaneState::kNamed) {
@@ -123,16 +133,12 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
     }
     std::strncpy(sl.names[call % StagedLaneState::kNamed], op, sizeof(sl.names[0]) - 1);
     sl.values[call % StagedLaneState::kNamed] = value;
-    if (!st.watched) {
-      WatchStaged(&comm, &st, r);
-      st.watched = true;
-    }
   }
   char* mine = st.peer_base[r];
   const char* in = static_cast<const char*>(input);
   char* out = static_cast<char*>(output);
 
-  // 1. Pushes into the peers' slots, with my own block's local copy.
+  // 1. Pushes into the peers' slots, with my own block's local copy; 4. copies out of mine.
   CopyList push, pull;
   int source = -1;  // permute: who sends to me
   if (spec.op == OpKind::kPermute) {
@@ -152,29 +158,69 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
     }
     if (!spec.skip_own) push.Add(out + r * block, in + (all_to_all ? r * block : 0), block);
   }
+  char* zero_fill = spec.op == OpKind::kPermute && source < 0 ? out : nullptr;
+  int tag = -1;  // a captured call's entry in st.captured_names (watchdog messages)
+  if (captured) {
+    tag = static_cast<int>(st.captured_tags++ % RankState::kCapturedNames);
+    std::strncpy(st.captured_names[tag], op, sizeof(st.captured_names[0]) - 1);
+  }
   std::string err;
-  if (captured) {  // 0. every peer has arrived: its earlier captured calls left my slots
-    MemOps ops(GetDriverApi(), stream);
-    for (int k = 1; k < n; ++k) ops.Write(ArrivalFlag(st.peer_base[(r + k) % n], n, r), value);
-    for (int k = 1; k < n; ++k) ops.Wait(ArrivalFlag(mine, n, (r + k) % n), value, true);
-    for (int k = 1; k < n; ++k) ops.Write(ArrivalFlag(mine, n, (r + k) % n), 0);
-    err = ops.Flush();
-  }
-  if (err.empty()) err = Enqueue(push, stream, cudaMemcpyDefault, /*batch=*/!captured);
-  // 2-3. One batch: raise every peer's flag, wait for every peer's, reset mine; then say so.
-  if (err.empty()) {
-    MemOps ops(GetDriverApi(), stream);
-    for (int k = 1; k < n; ++k) ops.Write(StagedFlag(st.peer_base[(r + k) % n], n, set, r), value);
-    for (int k = 1; k < n; ++k) ops.Wait(StagedFlag(mine, n, set, (r + k) % n), value, true);
-    for (int k = 1; k < n; ++k) ops.Write(StagedFlag(mine, n, set, (r + k) % n), 0);
-    if (!captured) ops.WriteDevice(st.progress_device + lane * sizeof(uint64_t), call + 1);
-    err = ops.Flush();
-  }
-  // 4. Copies out of my slots (a permute nobody sends to is zero-filled, like jax.lax's).
-  if (err.empty()) err = Enqueue(pull, stream, cudaMemcpyDeviceToDevice, !captured);
-  if (err.empty() && spec.op == OpKind::kPermute && source < 0) {
-    cudaError_t e = cudaMemsetAsync(out, 0, block, stream);
-    if (e != cudaSuccess) err = CudaError("cudaMemsetAsync", e);
+  if (n <= kKernelMaxRanks && StagedKernelOn()) {
+    StagedKernelArgs a = {};
+    a.block = block;
+    a.value = value;
+    const int ctas = ExchangeCtas(block, &a.chunk);
+    a.pushes = static_cast<int>(push.dst.size());
+    for (int i = 0; i < a.pushes; ++i)
+      a.push[i] = {static_cast<char*>(push.dst[i]), static_cast<const char*>(push.src[i])};
+    a.pulls = static_cast<int>(pull.dst.size());
+    for (int i = 0; i < a.pulls; ++i)
+      a.pull[i] = {static_cast<char*>(pull.dst[i]), static_cast<const char*>(pull.src[i])};
+    a.peers = n - 1;
+    for (int k = 1; k < n; ++k) {
+      const int q = (r + k) % n;
+      a.raise[k - 1] = StagedFlag(st.peer_base[q], n, set, r);
+      a.wait[k - 1] = StagedFlag(mine, n, set, q);
+      if (captured) {
+        a.arrive_raise[k - 1] = ArrivalFlag(st.peer_base[q], n, r);
+        a.arrive_wait[k - 1] = ArrivalFlag(mine, n, q);
+      }
+    }
+    a.zero_fill = zero_fill;
+    a.ctas_done = CtasDone(mine, n, lane);
+    a.broken = BrokenWord(mine, n);
+    a.lane = lane;
+    a.progress_value = captured ? 0 : call + 1;
+    a.tag = tag;
+    a.host = st.host_words_device;
+    HostTimer launch("api: exchange kernel");
+    cudaError_t e = LaunchExchangeKernel(a, ctas, stream);
+    if (e != cudaSuccess) err = CudaError("the exchange kernel's launch", e);
+  } else {
+    if (captured) {  // 0. every peer has arrived: its earlier captured calls left my slots
+      MemOps ops(GetDriverApi(), stream);
+      for (int k = 1; k < n; ++k) ops.Write(ArrivalFlag(st.peer_base[(r + k) % n], n, r), value);
+      for (int k = 1; k < n; ++k) ops.Wait(ArrivalFlag(mine, n, (r + k) % n), value, true);
+      for (int k = 1; k < n; ++k) ops.Write(ArrivalFlag(mine, n, (r + k) % n), 0);
+      err = ops.Flush();
+    }
+    if (err.empty()) err = Enqueue(push, stream, cudaMemcpyDefault, /*batch=*/!captured);
+    // 2-3. One batch: raise every peer's flag, wait for every peer's, reset mine; then say so.
+    if (err.empty()) {
+      MemOps ops(GetDriverApi(), stream);
+      for (int k = 1; k < n; ++k)
+        ops.Write(StagedFlag(st.peer_base[(r + k) % n], n, set, r), value);
+      for (int k = 1; k < n; ++k) ops.Wait(StagedFlag(mine, n, set, (r + k) % n), value, true);
+      for (int k = 1; k < n; ++k) ops.Write(StagedFlag(mine, n, set, (r + k) % n), 0);
+      if (!captured) ops.WriteDevice(st.progress_device + lane * sizeof(uint64_t), call + 1);
+      err = ops.Flush();
+    }
+    // 4. (a permute nobody sends to is zero-filled, like jax.lax's)
+    if (err.empty()) err = Enqueue(pull, stream, cudaMemcpyDeviceToDevice, !captured);
+    if (err.empty() && zero_fill) {
+      cudaError_t e = cudaMemsetAsync(zero_fill, 0, block, stream);
+      if (e != cudaSuccess) err = CudaError("cudaMemsetAsync", e);
+    }
   }
   if (captured) {
     g_captured_calls.fetch_add(1);

@@ -29,6 +29,11 @@ uint64_t StagedFlagValue(const OpSpec& spec);
 // "all_gather of 4096 bytes" for a value StagedFlagValue made.
 std::string DescribeStagedFlag(uint64_t value);
 
+// Whether a call takes the exchange kernel (exchange_kernel.h) rather than copy calls and
+// stream memory operations: yes for groups the kernel serves, unless JAX_HOCCL_STAGED_KERNEL=0
+// (the benchmarks' comparison). The same on every rank: set it for the whole job.
+bool StagedKernelOn();
+
 // How many staged calls ran under stream capture (recorded into a CUDA graph) so far.
 uint64_t StagedCapturedCalls();
 

@@ -10,6 +10,7 @@
 
 #include "cuda/cuda_util.h"
 #include "cuda/rank_state.h"
+#include "cuda/staged/exchange_kernel.h"
 
 namespace hoccl {
 
@@ -28,9 +29,12 @@ constexpr int kCapturedSet = 2 * kLanes;
 constexpr int kSlotSets = kCapturedSet + 1;
 inline int SlotSet(int lane, int parity) { return lane * 2 + parity; }
 
-// Flags: n ready flags per slot set (one per sender), then the captured calls' n arrival flags.
+// Flags: kChunkFlags ready flags per sender and slot set, then as many arrival flags for the
+// captured calls, then kLanes counters and the broken word.
 inline size_t StagedFlagBytes(int n) {
-  return (static_cast<size_t>(kSlotSets + 1) * n * sizeof(uint64_t) + 255) / 256 * 256;
+  return (static_cast<size_t>(kSlotSets + 1) * n * kChunkFlags * sizeof(uint64_t) +
+          (kLanes + 1) * sizeof(unsigned int) + 255) /
+         256 * 256;
 }
 
 // The staged region's bytes (0 when the staged path is off).
@@ -39,10 +43,11 @@ inline size_t StagedRegionBytes(int n) {
   return slot ? StagedFlagBytes(n) + static_cast<size_t>(kSlotSets) * n * slot : 0;
 }
 
-// In the allocation at `base` of a group of n: the ready flag that `sender` raises for the
-// owner, and the slot `sender` writes into, of slot set `set`.
+// In the allocation at `base` of a group of n: the ready flags (kChunkFlags) that `sender`
+// raises for the owner, and the slot `sender` writes into, of slot set `set`.
 inline uint64_t* StagedFlag(char* base, int n, int set, int sender) {
-  return reinterpret_cast<uint64_t*>(base + ZeroCopyFlagBytes(n)) + set * n + sender;
+  return reinterpret_cast<uint64_t*>(base + ZeroCopyFlagBytes(n)) +
+         (static_cast<size_t>(set) * n + sender) * kChunkFlags;
 }
 inline char* StagedSlot(char* base, int n, int set, int sender) {
   return base + ZeroCopyFlagBytes(n) + StagedFlagBytes(n) +
@@ -53,6 +58,12 @@ inline char* StagedSlot(char* base, int n, int set, int sender) {
 inline uint64_t* ArrivalFlag(char* base, int n, int sender) {
   return StagedFlag(base, n, kSlotSets, sender);
 }
+// The exchange kernel's count of finished CTAs of a lane (cuda/staged/exchange_kernel.h).
+inline unsigned int* CtasDone(char* base, int n, int lane) {
+  return reinterpret_cast<unsigned int*>(StagedFlag(base, n, kSlotSets + 1, 0)) + lane;
+}
+// The word the watchdog sets when it gives up on the group (exchange_kernel.h).
+inline unsigned int* BrokenWord(char* base, int n) { return CtasDone(base, n, kLanes); }
 
 }  // namespace hoccl
 

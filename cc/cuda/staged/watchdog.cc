@@ -39,6 +39,10 @@ struct Watched {
   int rank;
   LaneWatch lanes[kLanes];
   bool fired = false;
+  // Stall reports of captured calls' kernels (CheckStall).
+  uint64_t stall_beats = 0;
+  bool stalled = false;
+  Clock::time_point stall_last, stall_since;
 };
 
 std::mutex g_mu;
@@ -55,33 +59,57 @@ cudaStream_t StreamFor(int device) {
   return s;
 }
 
-std::string ReadFlags(const Watched& w, int lane, int parity, std::vector<uint64_t>* flags) {
+// Each peer's ready flag of a lane's slot set, as one value: one naming another call if any of
+// its CTAs' flags does, else `expected` if any is raised, else 0.
+std::string ReadFlags(const Watched& w, int lane, int parity, uint64_t expected,
+                      std::vector<uint64_t>* flags) {
   const int n = w.comm->size();
+  std::vector<uint64_t> all(static_cast<size_t>(n) * kChunkFlags, 0);
   flags->assign(n, 0);
   HOCCL_CUDA_RETURN(cudaSetDevice(w.st->device));
   cudaStream_t s = StreamFor(w.st->device);
   if (!s) return "no watchdog stream";
-  HOCCL_CUDA_RETURN(cudaMemcpyAsync(
-      flags->data(), StagedFlag(w.st->peer_base[w.rank], n, SlotSet(lane, parity), 0),
-      n * sizeof(uint64_t), cudaMemcpyDeviceToHost, s));
+  HOCCL_CUDA_RETURN(
+      cudaMemcpyAsync(all.data(), StagedFlag(w.st->peer_base[w.rank], n, SlotSet(lane, parity), 0),
+                      all.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost, s));
   HOCCL_CUDA_RETURN(cudaStreamSynchronize(s));
+  for (int q = 0; q < n; ++q)
+    for (int c = 0; c < kChunkFlags; ++c) {
+      const uint64_t v = all[static_cast<size_t>(q) * kChunkFlags + c];
+      if (v && v != expected) (*flags)[q] = v;
+      if (v == expected && !(*flags)[q]) (*flags)[q] = v;
+    }
   HOCCL_TRACE("watchdog: rank %d lane %d read its flags\n", w.rank, lane);
   return "";
 }
 
-// Raises every peer's flag of the stuck call myself: its wait passes, and so will the calls
-// behind it, one by one (the group is broken, so no new call is enqueued).
-void Release(const Watched& w, int lane, uint64_t call) {
-  const int n = w.comm->size();
-  const int parity = static_cast<int>(call & 1);
-  std::vector<uint64_t> values(n, w.st->staged[lane].values[call % StagedLaneState::kNamed]);
+// Ends the stuck waits myself: the exchange kernels see the broken word and stop waiting; the
+// stream memory operations' waits see every peer's flag of the stuck call raised. Either way
+// that call and the calls behind it pass one by one (the group is broken, so no new call is
+// enqueued).
+void SetBroken(const Watched& w) {
+  static const unsigned int one = 1;
   if (cudaSetDevice(w.st->device) != cudaSuccess) return;
   cudaStream_t s = StreamFor(w.st->device);
   if (!s) return;
-  uint64_t* mine = StagedFlag(w.st->peer_base[w.rank], n, SlotSet(lane, parity), 0);
+  cudaMemcpyAsync(BrokenWord(w.st->peer_base[w.rank], w.comm->size()), &one, sizeof(one),
+                  cudaMemcpyHostToDevice, s);
+  cudaStreamSynchronize(s);
+}
+
+void Release(const Watched& w, int lane, uint64_t call) {
+  SetBroken(w);
+  const int n = w.comm->size();
+  const int parity = static_cast<int>(call & 1);
+  std::vector<uint64_t> values(kChunkFlags,
+                               w.st->staged[lane].values[call % StagedLaneState::kNamed]);
+  if (cudaSetDevice(w.st->device) != cudaSuccess) return;
+  cudaStream_t s = StreamFor(w.st->device);
+  if (!s) return;
   for (int q = 0; q < n; ++q)
     if (q != w.rank)
-      cudaMemcpyAsync(mine + q, &values[q], sizeof(uint64_t), cudaMemcpyHostToDevice, s);
+      cudaMemcpyAsync(StagedFlag(w.st->peer_base[w.rank], n, SlotSet(lane, parity), q),
+                      values.data(), values.size() * sizeof(uint64_t), cudaMemcpyHostToDevice, s);
   cudaStreamSynchronize(s);
   HOCCL_TRACE("watchdog: rank %d lane %d released call %llu\n", w.rank, lane,
               static_cast<unsigned long long>(call));
@@ -112,19 +140,22 @@ std::string Who(const Communicator& comm, const std::vector<int>& ranks) {
   return out;
 }
 
-void Fire(Watched& w, int lane, uint64_t call, const std::string& why) {
-  const StagedLaneState& sl = w.st->staged[lane];
+void Fire(Watched& w, int lane, const char* name, const std::string& why) {
   const std::string msg =
-      std::string("jax_hoccl ") + sl.names[call % StagedLaneState::kNamed] + " (rank " +
-      std::to_string(w.rank) + " of " + std::to_string(w.comm->size()) + ", CUDA device " +
-      std::to_string(w.st->device) + ", staged path, lane " + std::to_string(lane) + "): " + why +
+      std::string("jax_hoccl ") + name + " (rank " + std::to_string(w.rank) + " of " +
+      std::to_string(w.comm->size()) + ", CUDA device " + std::to_string(w.st->device) +
+      ", staged path, lane " + std::to_string(lane) + "): " + why +
       ". The watchdog released the wait on the GPU (that call's result is not valid); every "
       "later jax_hoccl call in this group fails with this error.";
   std::fprintf(stderr, "%s\n", msg.c_str());
   std::fflush(stderr);
   w.comm->Break(msg);
-  if (w.st->node) w.st->node->Fail(w.rank, sl.names[call % StagedLaneState::kNamed], msg);
+  if (w.st->node) w.st->node->Fail(w.rank, name, msg);
   w.fired = true;
+}
+
+void Fire(Watched& w, int lane, uint64_t call, const std::string& why) {
+  Fire(w, lane, w.st->staged[lane].names[call % StagedLaneState::kNamed], why);
 }
 
 void Check(Watched& w, int lane, Clock::time_point now) {
@@ -149,7 +180,7 @@ void Check(Watched& w, int lane, Clock::time_point now) {
                 static_cast<unsigned long long>(done), static_cast<unsigned long long>(enqueued),
                 seconds);
     std::vector<uint64_t> flags;
-    if (ReadFlags(w, lane, static_cast<int>(done & 1), &flags).empty()) {
+    if (ReadFlags(w, lane, static_cast<int>(done & 1), expected, &flags).empty()) {
       for (int q = 0; q < w.comm->size(); ++q) {
         if (q == w.rank || flags[q] == 0 || flags[q] == expected) continue;
         Fire(w, lane, done,
@@ -183,14 +214,59 @@ void Check(Watched& w, int lane, Clock::time_point now) {
   }
 }
 
+// A captured call's exchange kernel reports its waits of more than a second itself (a replayed
+// graph leaves no host-side count to watch): the same verdicts, from what it reports.
+void CheckStall(Watched& w, Clock::time_point now) {
+  StagedHostWords& h = *w.st->host_words;
+  const uint64_t beats = h.stall_beats;
+  if (beats == w.stall_beats) {
+    if (now - w.stall_last > 5 * kPoll + std::chrono::milliseconds(100)) w.stalled = false;
+    return;
+  }
+  w.stall_beats = beats;
+  w.stall_last = now;
+  if (!w.stalled) {
+    w.stalled = true;
+    w.stall_since = now - kCheckFlags;  // the kernel waited a second before its first report
+  }
+  const int tag = h.stall_tag;
+  if (w.fired || tag < 0 || tag >= RankState::kCapturedNames) return;
+  const int n = w.comm->size();
+  const int q = (w.rank + 1 + h.stall_sender) % n;
+  const uint64_t seen = h.stall_seen, expected = h.stall_expected;
+  const char* name = w.st->captured_names[tag];
+  const double seconds = std::chrono::duration<double>(now - w.stall_since).count();
+  if (seen && seen != expected) {
+    Fire(w, 0, name,
+         "mismatched collectives inside a CUDA graph: " + Who(*w.comm, {q}) + " is in " +
+             DescribeStagedFlag(seen) + " at the same point, this rank in " +
+             DescribeStagedFlag(expected));
+  } else if (Exited(PeerPid(*w.comm, q))) {
+    Fire(w, 0, name,
+         "lost its peer(s) while waiting on the GPU inside a CUDA graph: the process of " +
+             Who(*w.comm, {q}) + " exited");
+  } else if (seconds >= TimeoutSeconds()) {
+    Fire(w, 0, name,
+         "timed out after " + std::to_string(static_cast<int>(TimeoutSeconds())) +
+             " s (JAX_HOCCL_TIMEOUT_S) waiting on the GPU inside a CUDA graph for " +
+             Who(*w.comm, {q}) +
+             " to reach this call; every peer must call the same collectives in the same order");
+  } else {
+    return;
+  }
+  SetBroken(w);
+}
+
 void Loop() {
   for (;;) {
     std::this_thread::sleep_for(kPoll);
     std::lock_guard<std::mutex> lock(g_mu);
     const Clock::time_point now = Clock::now();
     for (auto& w : All())
-      if (w->st->progress)
+      if (w->st->progress) {
         for (int lane = 0; lane < kLanes; ++lane) Check(*w, lane, now);
+        CheckStall(*w, now);
+      }
   }
 }
 

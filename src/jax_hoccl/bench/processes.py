@@ -10,14 +10,17 @@ cost does not). Without a GPU, 2 processes of one CPU device each.
 
 Every size runs on both paths, in alternating jobs: the default crossover (calls up to 1 MiB
 per peer staged) and JAX_HOCCL_STAGED_BYTES=0 (the per-call rendezvous: zero copy on GPU);
-a JAX_HOCCL_STAGED_BYTES set by the caller runs alone. Without a GPU the jobs repeat (JOBS
+on a GPU also the staged calls as copy calls and stream memory operations instead of the
+exchange kernel (JAX_HOCCL_STAGED_KERNEL=0). A JAX_HOCCL_STAGED_BYTES set by the caller runs
+alone. 16 MiB per rank is above the crossover: both paths' rows are zero copy there. Without a GPU the jobs repeat (JOBS
 times: the machine may be shared) and a row holds the median over jobs and their spread.
 
     python -m jax_hoccl.bench --processes [--out DIR]
 
 Rows: {"op", "bytes_per_rank", "ranks", "mps", "path", "us_per_call", "baseline_us_per_call",
 "jobs", "spread_us"}, the slowest rank's; "path" is the path the op's calls took ("staged",
-"rendezvous" or "zero_copy", as the engine counted them on CPU). And "host_profile": the same
+"rendezvous" or "zero_copy", as the engine counted them on CPU); on a GPU's staged rows,
+"exchange": "kernel" or "copy_calls". And "host_profile": the same
 calls' host time inside jax_hoccl's handlers by phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB,
 2 ranks), on each path.
 """
@@ -35,7 +38,7 @@ from jax_hoccl.bench import ranks
 from jax_hoccl.launch import mps_daemon, run_workers
 
 OPS = ("psum", "all_gather", "psum_scatter", "all_to_all", "ppermute")
-BYTES_PER_RANK = (4 << 10, 64 << 10, 1 << 20)
+BYTES_PER_RANK = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
 JOBS = 5  # jobs per setting without a GPU
 
 WORKER = textwrap.dedent("""
@@ -79,8 +82,15 @@ WORKER = textwrap.dedent("""
         us = per_call(bodies[op], nbytes)
         after = _hoccl.cpu_calls_by_path()
         took = sorted(k for k in after if after[k] > before[k])
-        default = "staged" if os.environ.get("JAX_HOCCL_STAGED_BYTES") != "0" else "zero_copy"
+        staged = os.environ.get("JAX_HOCCL_STAGED_BYTES") != "0" and nbytes <= (1 << 20)
+        default = "staged" if staged else "zero_copy"
         return us, "+".join(took) or default  # the GPU engine counts no paths
+
+    def exchange(path):  # the staged calls' engine on a GPU
+        if path != "staged" or not os.environ.get("BENCH_GPU"):
+            return {}
+        return {"exchange": "copy_calls" if os.environ.get("JAX_HOCCL_STAGED_KERNEL") == "0"
+                else "kernel"}
 
     rows = []
     for nbytes in json.loads(os.environ["BYTES"]):
@@ -91,14 +101,14 @@ WORKER = textwrap.dedent("""
                 _, path = timed(op, nbytes)
                 for phase, calls, ns in _hoccl.host_profile(True):
                     rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n, path=path,
-                                     phase=phase, us_per_call=ns / 1e3 / 1001,
-                                     calls_per_call=calls / 1001))
+                                     **exchange(path), phase=phase,
+                                     us_per_call=ns / 1e3 / 1001, calls_per_call=calls / 1001))
             continue
         base = per_call(bodies["none"], nbytes)
         for op in json.loads(os.environ["OPS"]):
             us, path = timed(op, nbytes)
-            rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n, path=path, us_per_call=us,
-                             baseline_us_per_call=base))
+            rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n, path=path, **exchange(path),
+                             us_per_call=us, baseline_us_per_call=base))
     print("RESULT" + json.dumps({"rows": rows, "platform": jax.devices()[0].platform}), flush=True)
     os._exit(0)
 """)
@@ -113,11 +123,13 @@ def _run(n: int, env: dict):
           found[0]["platform"])
 
 
-def _settings() -> list[dict]:
-  """The crossover of each job: the caller's, else the default and 0 (both paths)."""
+def _settings(gpu: bool) -> list[dict]:
+  """The crossover of each job: the caller's, else the default and 0 (both paths); on a GPU
+  also the staged path's copy-call exchange."""
   if os.environ.get("JAX_HOCCL_STAGED_BYTES"):
     return [{}]
-  return [{}, {"JAX_HOCCL_STAGED_BYTES": "0"}]
+  kernel = [{"JAX_HOCCL_STAGED_KERNEL": "0"}] if gpu else []
+  return [{}, *kernel, {"JAX_HOCCL_STAGED_BYTES": "0"}]
 
 
 def _over_jobs(jobs: list[list[dict]]) -> list[dict]:
@@ -153,7 +165,7 @@ def run(out_dir: str, commit: str) -> str:
                "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"}
       else:
         env = {**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-      settings = _settings()
+      settings = _settings(gpu)
       per_setting = [[] for _ in settings]
       for _ in range(jobs):  # the settings alternate, so a busy spell hits both alike
         for i, setting in enumerate(settings):
@@ -179,16 +191,18 @@ def run(out_dir: str, commit: str) -> str:
             "python": platform.python_version(), "commit": commit, "date": str(datetime.date.today()),
             "per_call": rows,
             "host_profile": [dict(r, mps=gpu) for r in profile]}
-  print(f"{'op':<13} {'per rank':>9} ranks {'path':<10} {'us/call':>9} {'spread':>15} "
+  print(f"{'op':<13} {'per rank':>9} ranks {'path':<17} {'us/call':>9} {'spread':>15} "
         f"{'without':>9} {'added':>8}")
   for r in rows:
     spread = f"{r['spread_us'][0]:.0f}-{r['spread_us'][1]:.0f}"
-    print(f"{r['op']:<13} {r['bytes_per_rank']:9d} {r['ranks']:5d} {r['path']:<10} "
+    path = r["path"] + (f"/{r['exchange']}" if "exchange" in r else "")
+    print(f"{r['op']:<13} {r['bytes_per_rank']:9d} {r['ranks']:5d} {path:<17} "
           f"{r['us_per_call']:9.1f} {spread:>15} {r['baseline_us_per_call']:9.1f} "
           f"{r['us_per_call'] - r['baseline_us_per_call']:8.1f}")
   print("host time inside the handlers per call, 64 KiB, 2 ranks (JAX_HOCCL_PROFILE=1):")
   for r in result["host_profile"]:
-    print(f"  {r['op']:<13} {r['path']:<10} {r['phase']:<28} {r['us_per_call']:8.1f} us")
+    path = r["path"] + (f"/{r['exchange']}" if "exchange" in r else "")
+    print(f"  {r['op']:<13} {path:<17} {r['phase']:<28} {r['us_per_call']:8.1f} us")
   os.makedirs(out_dir, exist_ok=True)
   name = os.path.join(out_dir, f"{result['date']}-{'1xH200' if gpu else 'cpu'}-per-call.json")
   with open(name, "w") as f:

@@ -1,0 +1,141 @@
+#include "cuda/staged/exchange_kernel.h"
+
+namespace hoccl {
+namespace {
+
+constexpr int kThreads = 256;
+// How often a waiting thread looks at the watchdog's broken word.
+constexpr int kSpinsPerBrokenCheck = 256;
+constexpr uint64_t kStallReportNs = 1000000000ull;  // first report after a second
+constexpr uint64_t kStallBeatNs = 100000000ull;     // then every 100 ms
+
+__device__ __forceinline__ uint64_t GlobalTimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint64_t LoadAcquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StoreRelease(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// This CTA's part of a copy: 16-byte words when both ends allow, bytes for the rest.
+__device__ void CopyPart(char* dst, const char* src, size_t begin, size_t end) {
+  if (begin >= end) return;
+  dst += begin;
+  src += begin;
+  const size_t bytes = end - begin;
+  size_t done = 0;
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
+    const size_t words = bytes / 16;
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    size_t i = threadIdx.x;
+    for (; i + 3 * kThreads < words; i += 4 * kThreads) {
+      const uint4 a = s[i], b = s[i + kThreads], c = s[i + 2 * kThreads], e = s[i + 3 * kThreads];
+      d[i] = a;
+      d[i + kThreads] = b;
+      d[i + 2 * kThreads] = c;
+      d[i + 3 * kThreads] = e;
+    }
+    for (; i < words; i += kThreads) d[i] = s[i];
+    done = words * 16;
+  }
+  for (size_t i = done + threadIdx.x; i < bytes; i += kThreads) dst[i] = src[i];
+}
+
+// Thread 0 waits until *flag == value, then resets it. Returns false if the watchdog broke
+// the group meanwhile (the wait is abandoned).
+__device__ bool WaitAndReset(uint64_t* flag, uint64_t value, int sender,
+                             const StagedKernelArgs& a) {
+  uint64_t start = 0, beat = 0;
+  for (int spins = 0;; ++spins) {
+    const uint64_t seen = LoadAcquire(flag);
+    if (seen == value) break;
+    if (spins % kSpinsPerBrokenCheck == kSpinsPerBrokenCheck - 1) {
+      if (*a.broken) return false;
+      const uint64_t now = GlobalTimer();
+      if (!start) start = now;
+      if (now - start >= kStallReportNs && now - beat >= kStallBeatNs) {
+        beat = now;
+        a.host->stall_sender = sender;
+        a.host->stall_seen = seen;
+        a.host->stall_expected = value;
+        a.host->stall_tag = a.tag;
+        __threadfence_system();
+        a.host->stall_beats = a.host->stall_beats + 1;
+      }
+    }
+  }
+  *flag = 0;
+  return true;
+}
+
+__global__ void __launch_bounds__(kThreads) ExchangeKernel(const StagedKernelArgs a) {
+  const int c = blockIdx.x;
+  const size_t begin = static_cast<size_t>(c) * a.chunk;
+  const size_t end = begin + a.chunk < a.block ? begin + a.chunk : a.block;
+  __shared__ bool ok;
+  if (threadIdx.x == 0) {
+    ok = true;
+    // A captured call: every peer's earlier captured calls are done with my slots (and mine
+    // with theirs) before my chunk goes into them.
+    if (ok && a.arrive_raise[0]) {
+      for (int p = 0; p < a.peers; ++p) StoreRelease(a.arrive_raise[p] + c, a.value);
+      for (int p = 0; p < a.peers && ok; ++p)
+        ok = WaitAndReset(a.arrive_wait[p] + c, a.value, p, a);
+    }
+  }
+  __syncthreads();
+  if (ok)
+    for (int i = 0; i < a.pushes; ++i) CopyPart(a.push[i].dst, a.push[i].src, begin, end);
+  __syncthreads();
+  if (threadIdx.x == 0 && ok) {
+    __threadfence_system();  // the pushes (every thread's, ordered by the barrier) first
+    for (int p = 0; p < a.peers; ++p) StoreRelease(a.raise[p] + c, a.value);
+    for (int p = 0; p < a.peers && ok; ++p) ok = WaitAndReset(a.wait[p] + c, a.value, p, a);
+  }
+  __syncthreads();
+  if (ok)
+    for (int i = 0; i < a.pulls; ++i) CopyPart(a.pull[i].dst, a.pull[i].src, begin, end);
+  if (a.zero_fill)
+    for (size_t i = begin + threadIdx.x; i < end; i += kThreads) a.zero_fill[i] = 0;
+  __syncthreads();
+  if (threadIdx.x == 0 && a.progress_value) {
+    __threadfence();
+    if (atomicAdd(a.ctas_done, 1u) == gridDim.x - 1) {
+      *a.ctas_done = 0;
+      __threadfence_system();
+      a.host->progress[a.lane] = a.progress_value;
+    }
+  }
+}
+
+}  // namespace
+
+int ExchangeCtas(size_t block, size_t* chunk) {
+  size_t per = (block + kChunkFlags - 1) / kChunkFlags;
+  if (per < kChunkBytes) per = kChunkBytes;
+  per = (per + 15) / 16 * 16;
+  *chunk = per;
+  const size_t ctas = (block + per - 1) / per;
+  return ctas ? static_cast<int>(ctas) : 1;
+}
+
+cudaError_t LoadExchangeKernel() {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, ExchangeKernel);
+}
+
+cudaError_t LaunchExchangeKernel(const StagedKernelArgs& args, int ctas, cudaStream_t stream) {
+  ExchangeKernel<<<ctas, kThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace hoccl
