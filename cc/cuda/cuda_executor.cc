@@ -257,7 +257,8 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
     return {ErrorKind::kUnavailable, std::string("jax_hoccl ") + op + ": " + api.error};
 
   int device = -1;
-  err = CurrentDevice(stream, &device);
+  bool capturing = false;
+  err = CurrentDevice(stream, &device, &capturing);
   if (!err.empty()) return {ErrorKind::kInternal, std::string("jax_hoccl ") + op + ": " + err};
   HOCCL_TRACE("%s rank %d: CUDA device %d\n", op, spec.rank, device);
   RankState* rs = nullptr;
@@ -270,10 +271,8 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   // (Async starts keep the zero-copy path: their exchanges overlap compute, and a fused op's
   // pipeline of them behind a peer that never comes is not yet proven to end in an error.)
   if (!announce && lane == 0 && st.progress && StagedEligible(spec))
-    return RunStaged(comm, st, spec, stream, input, output, lane, op);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
-      capture != cudaStreamCaptureStatusNone)
+    return RunStaged(comm, st, spec, stream, capturing, input, output, lane, op);
+  if (capturing)
     return {ErrorKind::kInternal,
             Prefix(spec, op, device) +
                 "a zero-copy call (blocks above JAX_HOCCL_STAGED_BYTES) meets its peers on the "

@@ -163,13 +163,14 @@ std::string GetRankState(Communicator& comm, const OpSpec& spec, int device, cud
   return "";
 }
 
-std::string CurrentDevice(cudaStream_t stream, int* device) {
+std::string CurrentDevice(cudaStream_t stream, int* device, bool* capturing) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  HOCCL_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
+  *capturing = capture != cudaStreamCaptureStatusNone;
 #if CUDART_VERSION >= 12080
   // Under stream capture (XLA recording a CUDA graph) cudaStreamGetDevice is refused; the
   // handler's thread is then already on its device.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  HOCCL_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) {
+  if (*capturing) {
     HOCCL_CUDA_RETURN(cudaGetDevice(device));
     return "";
   }

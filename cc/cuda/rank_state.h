@@ -76,8 +76,9 @@ size_t ZeroCopyFlagBytes(int group_size);
 std::string GetRankState(Communicator& comm, const OpSpec& spec, int device, cudaStream_t stream,
                          const char* op, RankState** out);
 
-// The current device of `stream`, made current for this thread.
-std::string CurrentDevice(cudaStream_t stream, int* device);
+// The current device of `stream`, made current for this thread, and whether the stream is
+// being recorded into a CUDA graph.
+std::string CurrentDevice(cudaStream_t stream, int* device, bool* capturing);
 
 }  // namespace hoccl
 

@@ -77,35 +77,73 @@ __device__ bool WaitAndReset(uint64_t* flag, uint64_t value, int sender,
   return true;
 }
 
+__device__ __forceinline__ uint64_t* Flag(const StagedKernelLayout& l, int owner, int n, int set,
+                                          int sender) {
+  return reinterpret_cast<uint64_t*>(l.base[owner] + l.flags) +
+         (static_cast<size_t>(set) * n + sender) * kChunkFlags;
+}
+
+__device__ __forceinline__ char* Slot(const StagedKernelLayout& l, int owner, int n, int set,
+                                      int sender) {
+  return l.base[owner] + l.slots + (static_cast<size_t>(set) * n + sender) * l.slot_bytes;
+}
+
+// Thread 0 raises flags `set` of every peer for me (value), then waits for and resets every
+// peer's in mine; false if the watchdog broke the group meanwhile.
+__device__ bool Meet(const StagedKernelArgs& a, int set, int c) {
+  const int n = a.n, r = a.rank;
+  for (int k = 1; k < n; ++k) StoreRelease(Flag(a.layout, (r + k) % n, n, set, r) + c, a.value);
+  for (int k = 1; k < n; ++k)
+    if (!WaitAndReset(Flag(a.layout, r, n, set, (r + k) % n) + c, a.value, k - 1, a)) return false;
+  return true;
+}
+
 __global__ void __launch_bounds__(kThreads) ExchangeKernel(const StagedKernelArgs a) {
-  const int c = blockIdx.x;
+  const int c = blockIdx.x, n = a.n, r = a.rank;
   const size_t begin = static_cast<size_t>(c) * a.chunk;
   const size_t end = begin + a.chunk < a.block ? begin + a.chunk : a.block;
+  const bool all_to_all = a.kind == StagedKind::kAllToAll;
   __shared__ bool ok;
   if (threadIdx.x == 0) {
-    ok = true;
     // A captured call: every peer's earlier captured calls are done with my slots (and mine
     // with theirs) before my chunk goes into them.
-    if (ok && a.arrive_raise[0]) {
-      for (int p = 0; p < a.peers; ++p) StoreRelease(a.arrive_raise[p] + c, a.value);
-      for (int p = 0; p < a.peers && ok; ++p)
-        ok = WaitAndReset(a.arrive_wait[p] + c, a.value, p, a);
+    ok = !a.captured || Meet(a, a.layout.captured_set + 1, c);
+  }
+  __syncthreads();
+  if (ok) {  // my block into every peer's slot, and my own
+    if (a.kind == StagedKind::kPermute) {
+      if (a.permute_dst == r)
+        CopyPart(a.out, a.in, begin, end);
+      else if (a.permute_dst >= 0)
+        CopyPart(Slot(a.layout, a.permute_dst, n, a.set, r), a.in, begin, end);
+    } else {
+      for (int k = 1; k < n; ++k) {
+        const int d = (r + k) % n;
+        CopyPart(Slot(a.layout, d, n, a.set, r), a.in + (all_to_all ? d * a.block : 0), begin, end);
+      }
+      if (!a.skip_own)
+        CopyPart(a.out + r * a.block, a.in + (all_to_all ? r * a.block : 0), begin, end);
     }
   }
   __syncthreads();
-  if (ok)
-    for (int i = 0; i < a.pushes; ++i) CopyPart(a.push[i].dst, a.push[i].src, begin, end);
-  __syncthreads();
   if (threadIdx.x == 0 && ok) {
     __threadfence_system();  // the pushes (every thread's, ordered by the barrier) first
-    for (int p = 0; p < a.peers; ++p) StoreRelease(a.raise[p] + c, a.value);
-    for (int p = 0; p < a.peers && ok; ++p) ok = WaitAndReset(a.wait[p] + c, a.value, p, a);
+    ok = Meet(a, a.set, c);
   }
   __syncthreads();
-  if (ok)
-    for (int i = 0; i < a.pulls; ++i) CopyPart(a.pull[i].dst, a.pull[i].src, begin, end);
-  if (a.zero_fill)
-    for (size_t i = begin + threadIdx.x; i < end; i += kThreads) a.zero_fill[i] = 0;
+  if (ok) {  // out of my slots
+    if (a.kind == StagedKind::kPermute) {
+      if (a.permute_src >= 0 && a.permute_src != r)
+        CopyPart(a.out, Slot(a.layout, r, n, a.set, a.permute_src), begin, end);
+    } else {
+      for (int k = 1; k < n; ++k) {
+        const int d = (r + k) % n;
+        CopyPart(a.out + d * a.block, Slot(a.layout, r, n, a.set, d), begin, end);
+      }
+    }
+  }
+  if (a.kind == StagedKind::kPermute && a.permute_src < 0)
+    for (size_t i = begin + threadIdx.x; i < end; i += kThreads) a.out[i] = 0;
   __syncthreads();
   if (threadIdx.x == 0 && a.progress_value) {
     __threadfence();

@@ -33,34 +33,39 @@ struct StagedHostWords {
   volatile int32_t stall_tag;  // the call's entry in the captured calls' names
 };
 
-struct StagedCopy {
-  char* dst;
-  const char* src;
+// Where every rank's staged region lies (cuda/staged/staged_layout.h computes the same): a
+// slot set's flags at flags + (set * n + sender) * kChunkFlags words, its slots at
+// slots + (set * n + sender) * slot_bytes, from each rank's base.
+struct StagedKernelLayout {
+  char* base[kKernelMaxRanks];  // every rank's allocation, by rank
+  size_t flags, slots, slot_bytes;
+  int captured_set;  // the captured calls' slot set; their arrival flags are set + 1's
 };
 
+enum class StagedKind : int { kGather, kAllToAll, kPermute };
+
+// One call; small, as a launch's cost grows with its parameters.
 struct StagedKernelArgs {
-  size_t block;    // bytes of every copy
-  size_t chunk;    // bytes of each copy that one CTA moves (a multiple of 16)
+  const char* in;
+  char* out;
+  size_t block;    // bytes a rank sends each peer
+  size_t chunk;    // bytes of each block that one CTA moves (a multiple of 16)
   uint64_t value;  // the ready flag's value (op and size)
-  int pushes, peers, pulls;
-  StagedCopy push[kKernelMaxRanks];  // my block into each peer's slot, and my own
-  // For each peer, in the same order: the ready flags (kChunkFlags each) I raise in the peer,
-  // and mine that it raises; for a captured call also the arrival flags, raised and awaited
-  // before any push (null otherwise).
-  uint64_t* raise[kKernelMaxRanks];
-  uint64_t* wait[kKernelMaxRanks];
-  uint64_t* arrive_raise[kKernelMaxRanks];
-  uint64_t* arrive_wait[kKernelMaxRanks];
-  StagedCopy pull[kKernelMaxRanks];  // out of my slots
-  char* zero_fill;                   // a permute's output nobody sends to, or null
-  unsigned int* ctas_done;           // device counter: the last CTA reports progress
+  StagedKind kind;
+  int n, rank, set;
+  int skip_own;     // gather/all_to_all: my own block is not copied
+  int permute_dst;  // permute: where mine goes (-1: nowhere), and who sends to me
+  int permute_src;  // (-1: nobody; my output is zero-filled)
+  int captured;     // meet the peers' arrival first (their earlier captured calls)
+  int lane;         // progress[lane] gets progress_value (if non-zero)
+  int tag;          // a captured call's entry in the names of captured calls
+  uint64_t progress_value;
+  unsigned int* ctas_done;  // device counter of this lane: the last CTA reports progress
   // Device memory the watchdog sets when it gives up on the group: waits end at once (the
   // results are not valid). In device memory, not mapped host memory: every CTA reads it.
   volatile unsigned int* broken;
-  int lane;  // progress[lane] gets progress_value (if non-zero)
-  uint64_t progress_value;
-  int tag;
   StagedHostWords* host;  // its device address
+  StagedKernelLayout layout;
 };
 
 // The number of CTAs (and the chunk) for a block of `block` bytes.

@@ -64,6 +64,109 @@ int PermuteSource(const OpSpec& spec, int rank) {
   return -1;
 }
 
+// What one staged call is, for either exchange.
+struct Call {
+  const OpSpec& spec;
+  cudaStream_t stream;
+  const char* in;
+  char* out;
+  size_t block;
+  uint64_t value;
+  int set, source, captured, lane;
+  uint64_t call;
+  int tag;
+};
+
+// The exchange as one kernel (exchange_kernel.h).
+std::string KernelExchange(const RankState& st, const Call& c) {
+  const OpSpec& spec = c.spec;
+  const int n = spec.group_size, r = spec.rank;
+  StagedKernelArgs a = {};
+  a.in = c.in;
+  a.out = c.out;
+  a.block = c.block;
+  a.value = c.value;
+  const int ctas = ExchangeCtas(c.block, &a.chunk);
+  a.kind = spec.op == OpKind::kPermute    ? StagedKind::kPermute
+           : spec.op == OpKind::kAllToAll ? StagedKind::kAllToAll
+                                          : StagedKind::kGather;
+  a.n = n;
+  a.rank = r;
+  a.set = c.set;
+  a.skip_own = spec.skip_own;
+  a.permute_dst = spec.op == OpKind::kPermute ? spec.permute_dst[r] : -1;
+  a.permute_src = c.source;
+  a.captured = c.captured;
+  a.lane = c.lane;
+  a.tag = c.tag;
+  a.progress_value = c.captured ? 0 : c.call + 1;
+  char* mine = st.peer_base[r];
+  a.ctas_done = CtasDone(mine, n, c.lane);
+  a.broken = BrokenWord(mine, n);
+  a.host = st.host_words_device;
+  for (int q = 0; q < n; ++q) a.layout.base[q] = st.peer_base[q];
+  a.layout.flags = ZeroCopyFlagBytes(n);
+  a.layout.slots = ZeroCopyFlagBytes(n) + StagedFlagBytes(n);
+  a.layout.slot_bytes = StagedSlotBytes();
+  a.layout.captured_set = kCapturedSet;
+  HostTimer launch("api: exchange kernel");
+  cudaError_t e = LaunchExchangeKernel(a, ctas, c.stream);
+  return e == cudaSuccess ? "" : CudaError("the exchange kernel's launch", e);
+}
+
+// The exchange as copy calls and one batch of stream memory operations.
+std::string CopyCallExchange(const RankState& st, const Call& c) {
+  const OpSpec& spec = c.spec;
+  const int n = spec.group_size, r = spec.rank, set = c.set;
+  const size_t block = c.block;
+  char* mine = st.peer_base[r];
+  const char* in = c.in;
+  char* out = c.out;
+  // 1. Pushes into the peers' slots, with my own block's local copy; 4. copies out of mine.
+  CopyList push, pull;
+  if (spec.op == OpKind::kPermute) {
+    const int dst = spec.permute_dst[r];
+    if (dst == r)
+      push.Add(out, in, block);
+    else if (dst >= 0)
+      push.Add(StagedSlot(st.peer_base[dst], n, set, r), in, block);
+    if (c.source >= 0 && c.source != r) pull.Add(out, StagedSlot(mine, n, set, c.source), block);
+  } else {
+    const bool all_to_all = spec.op == OpKind::kAllToAll;
+    for (int k = 1; k < n; ++k) {
+      const int d = (r + k) % n;
+      push.Add(StagedSlot(st.peer_base[d], n, set, r), in + (all_to_all ? d * block : 0), block);
+      pull.Add(out + d * block, StagedSlot(mine, n, set, d), block);
+    }
+    if (!spec.skip_own) push.Add(out + r * block, in + (all_to_all ? r * block : 0), block);
+  }
+  std::string err;
+  if (c.captured) {  // 0. every peer has arrived: its earlier captured calls left my slots
+    MemOps ops(GetDriverApi(), c.stream);
+    for (int k = 1; k < n; ++k) ops.Write(ArrivalFlag(st.peer_base[(r + k) % n], n, r), c.value);
+    for (int k = 1; k < n; ++k) ops.Wait(ArrivalFlag(mine, n, (r + k) % n), c.value, true);
+    for (int k = 1; k < n; ++k) ops.Write(ArrivalFlag(mine, n, (r + k) % n), 0);
+    err = ops.Flush();
+  }
+  if (err.empty()) err = Enqueue(push, c.stream, cudaMemcpyDefault, /*batch=*/!c.captured);
+  // 2-3. One batch: raise every peer's flag, wait for every peer's, reset mine; then say so.
+  if (err.empty()) {
+    MemOps ops(GetDriverApi(), c.stream);
+    for (int k = 1; k < n; ++k)
+      ops.Write(StagedFlag(st.peer_base[(r + k) % n], n, set, r), c.value);
+    for (int k = 1; k < n; ++k) ops.Wait(StagedFlag(mine, n, set, (r + k) % n), c.value, true);
+    for (int k = 1; k < n; ++k) ops.Write(StagedFlag(mine, n, set, (r + k) % n), 0);
+    if (!c.captured) ops.WriteDevice(st.progress_device + c.lane * sizeof(uint64_t), c.call + 1);
+    err = ops.Flush();
+  }
+  if (err.empty()) err = Enqueue(pull, c.stream, cudaMemcpyDeviceToDevice, !c.captured);
+  if (err.empty() && spec.op == OpKind::kPermute && c.source < 0) {  // zero-filled, as jax.lax
+    cudaError_t e = cudaMemsetAsync(out, 0, block, c.stream);
+    if (e != cudaSuccess) err = CudaError("cudaMemsetAsync", e);
+  }
+  return err;
+}
+
 }  // namespace
 
 bool StagedKernelOn() {
@@ -94,18 +197,14 @@ std::string DescribeStagedFlag(uint64_t value) {
 }
 
 ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cudaStream_t stream,
-                     const void* input, void* output, int lane, const char* op) {
+                     bool captured, const void* input, void* output, int lane, const char* op) {
   HostTimer timer("staged");
   const int n = spec.group_size, r = spec.rank;
   const size_t block = BlockBytes(spec);
   const uint64_t value = StagedFlagValue(spec);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  cudaError_t ce = cudaStreamIsCapturing(stream, &capture);
-  if (ce != cudaSuccess) return {ErrorKind::kInternal, CudaError("cudaStreamIsCapturing", ce)};
   // Captured into a CUDA graph: the handler runs once, its work is replayed. Nothing may
   // depend on a host-side count, so those calls take their own slot set (kCapturedSet) and
   // first meet their peers' arrival (their earlier captured calls are done with it).
-  const bool captured = capture == cudaStreamCaptureStatusActive;
   if (captured && lane != 0)
     return {ErrorKind::kInternal, std::string("jax_hoccl ") + op +
                                       ": only calls on XLA's stream "
@@ -134,94 +233,26 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
     std::strncpy(sl.names[call % StagedLaneState::kNamed], op, sizeof(sl.names[0]) - 1);
     sl.values[call % StagedLaneState::kNamed] = value;
   }
-  char* mine = st.peer_base[r];
-  const char* in = static_cast<const char*>(input);
-  char* out = static_cast<char*>(output);
-
-  // 1. Pushes into the peers' slots, with my own block's local copy; 4. copies out of mine.
-  CopyList push, pull;
-  int source = -1;  // permute: who sends to me
-  if (spec.op == OpKind::kPermute) {
-    const int dst = spec.permute_dst[r];
-    if (dst == r)
-      push.Add(out, in, block);
-    else if (dst >= 0)
-      push.Add(StagedSlot(st.peer_base[dst], n, set, r), in, block);
-    source = PermuteSource(spec, r);
-    if (source >= 0 && source != r) pull.Add(out, StagedSlot(mine, n, set, source), block);
-  } else {
-    const bool all_to_all = spec.op == OpKind::kAllToAll;
-    for (int k = 1; k < n; ++k) {
-      const int d = (r + k) % n;
-      push.Add(StagedSlot(st.peer_base[d], n, set, r), in + (all_to_all ? d * block : 0), block);
-      pull.Add(out + d * block, StagedSlot(mine, n, set, d), block);
-    }
-    if (!spec.skip_own) push.Add(out + r * block, in + (all_to_all ? r * block : 0), block);
-  }
-  char* zero_fill = spec.op == OpKind::kPermute && source < 0 ? out : nullptr;
+  const int source = spec.op == OpKind::kPermute ? PermuteSource(spec, r) : -1;
   int tag = -1;  // a captured call's entry in st.captured_names (watchdog messages)
   if (captured) {
     tag = static_cast<int>(st.captured_tags++ % RankState::kCapturedNames);
     std::strncpy(st.captured_names[tag], op, sizeof(st.captured_names[0]) - 1);
   }
-  std::string err;
-  if (n <= kKernelMaxRanks && StagedKernelOn()) {
-    StagedKernelArgs a = {};
-    a.block = block;
-    a.value = value;
-    const int ctas = ExchangeCtas(block, &a.chunk);
-    a.pushes = static_cast<int>(push.dst.size());
-    for (int i = 0; i < a.pushes; ++i)
-      a.push[i] = {static_cast<char*>(push.dst[i]), static_cast<const char*>(push.src[i])};
-    a.pulls = static_cast<int>(pull.dst.size());
-    for (int i = 0; i < a.pulls; ++i)
-      a.pull[i] = {static_cast<char*>(pull.dst[i]), static_cast<const char*>(pull.src[i])};
-    a.peers = n - 1;
-    for (int k = 1; k < n; ++k) {
-      const int q = (r + k) % n;
-      a.raise[k - 1] = StagedFlag(st.peer_base[q], n, set, r);
-      a.wait[k - 1] = StagedFlag(mine, n, set, q);
-      if (captured) {
-        a.arrive_raise[k - 1] = ArrivalFlag(st.peer_base[q], n, r);
-        a.arrive_wait[k - 1] = ArrivalFlag(mine, n, q);
-      }
-    }
-    a.zero_fill = zero_fill;
-    a.ctas_done = CtasDone(mine, n, lane);
-    a.broken = BrokenWord(mine, n);
-    a.lane = lane;
-    a.progress_value = captured ? 0 : call + 1;
-    a.tag = tag;
-    a.host = st.host_words_device;
-    HostTimer launch("api: exchange kernel");
-    cudaError_t e = LaunchExchangeKernel(a, ctas, stream);
-    if (e != cudaSuccess) err = CudaError("the exchange kernel's launch", e);
-  } else {
-    if (captured) {  // 0. every peer has arrived: its earlier captured calls left my slots
-      MemOps ops(GetDriverApi(), stream);
-      for (int k = 1; k < n; ++k) ops.Write(ArrivalFlag(st.peer_base[(r + k) % n], n, r), value);
-      for (int k = 1; k < n; ++k) ops.Wait(ArrivalFlag(mine, n, (r + k) % n), value, true);
-      for (int k = 1; k < n; ++k) ops.Write(ArrivalFlag(mine, n, (r + k) % n), 0);
-      err = ops.Flush();
-    }
-    if (err.empty()) err = Enqueue(push, stream, cudaMemcpyDefault, /*batch=*/!captured);
-    // 2-3. One batch: raise every peer's flag, wait for every peer's, reset mine; then say so.
-    if (err.empty()) {
-      MemOps ops(GetDriverApi(), stream);
-      for (int k = 1; k < n; ++k)
-        ops.Write(StagedFlag(st.peer_base[(r + k) % n], n, set, r), value);
-      for (int k = 1; k < n; ++k) ops.Wait(StagedFlag(mine, n, set, (r + k) % n), value, true);
-      for (int k = 1; k < n; ++k) ops.Write(StagedFlag(mine, n, set, (r + k) % n), 0);
-      if (!captured) ops.WriteDevice(st.progress_device + lane * sizeof(uint64_t), call + 1);
-      err = ops.Flush();
-    }
-    // 4. (a permute nobody sends to is zero-filled, like jax.lax's)
-    if (err.empty()) err = Enqueue(pull, stream, cudaMemcpyDeviceToDevice, !captured);
-    if (err.empty() && zero_fill) {
-      cudaError_t e = cudaMemsetAsync(zero_fill, 0, block, stream);
-      if (e != cudaSuccess) err = CudaError("cudaMemsetAsync", e);
-    }
-  }
+  const Call c{spec,
+               stream,
+               static_cast<const char*>(input),
+               static_cast<char*>(output),
+               block,
+               value,
+               set,
+               source,
+               captured,
+               lane,
+               call,
+               tag};
+  const std::string err =
+      n <= kKernelMaxRanks && StagedKernelOn() ? KernelExchange(st, c) : CopyCallExchange(st, c);
   if (captured) {
     g_captured_calls.fetch_add(1);
   } else {  // counted even after an error: the watchdog sees through what was enqueued

@@ -37,9 +37,10 @@ bool StagedKernelOn();
 // How many staged calls ran under stream capture (recorded into a CUDA graph) so far.
 uint64_t StagedCapturedCalls();
 
-// Enqueues spec.rank's part on `stream` (lane `lane`); `op` is the user's op for messages.
+// Enqueues spec.rank's part on `stream` (lane `lane`; `captured`: the stream is being recorded
+// into a CUDA graph); `op` is the user's op for messages.
 ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cudaStream_t stream,
-                     const void* input, void* output, int lane, const char* op);
+                     bool captured, const void* input, void* output, int lane, const char* op);
 
 }  // namespace hoccl
 

@@ -11,7 +11,8 @@ cost does not). Without a GPU, 2 processes of one CPU device each.
 Every size runs on both paths, in alternating jobs: the default crossover (calls up to 1 MiB
 per peer staged) and JAX_HOCCL_STAGED_BYTES=0 (the per-call rendezvous: zero copy on GPU);
 on a GPU also the staged calls as copy calls and stream memory operations instead of the
-exchange kernel (JAX_HOCCL_STAGED_KERNEL=0). A JAX_HOCCL_STAGED_BYTES set by the caller runs
+exchange kernel (JAX_HOCCL_STAGED_KERNEL=0), and the default with XLA recording every program
+into a CUDA graph (CAPTURED_FLAGS: staged calls are replayed, their handler runs once). A JAX_HOCCL_STAGED_BYTES set by the caller runs
 alone. 16 MiB per rank is above the crossover: both paths' rows are zero copy there. Without a GPU the jobs repeat (JOBS
 times: the machine may be shared) and a row holds the median over jobs and their spread.
 
@@ -20,7 +21,8 @@ times: the machine may be shared) and a row holds the median over jobs and their
 Rows: {"op", "bytes_per_rank", "ranks", "mps", "path", "us_per_call", "baseline_us_per_call",
 "jobs", "spread_us"}, the slowest rank's; "path" is the path the op's calls took ("staged",
 "rendezvous" or "zero_copy", as the engine counted them on CPU); on a GPU's staged rows,
-"exchange": "kernel" or "copy_calls". And "host_profile": the same
+"exchange": "kernel" or "copy_calls", and on a GPU "captured": whether XLA recorded the
+calls into CUDA graphs. And "host_profile": the same
 calls' host time inside jax_hoccl's handlers by phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB,
 2 ranks), on each path.
 """
@@ -40,6 +42,9 @@ from jax_hoccl.launch import mps_daemon, run_workers
 OPS = ("psum", "all_gather", "psum_scatter", "all_to_all", "ppermute")
 BYTES_PER_RANK = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
 JOBS = 5  # jobs per setting without a GPU
+# XLA's flags for the job whose calls XLA records into CUDA graphs: a graph of any size (its
+# default minimum leaves a program this small uncaptured).
+CAPTURED_FLAGS = "--xla_gpu_shard_autotuning=false --xla_gpu_graph_min_graph_size=1"
 
 WORKER = textwrap.dedent("""
     import json, os, sys, time
@@ -77,20 +82,28 @@ WORKER = textwrap.dedent("""
             rounds.append((time.perf_counter() - t0) / 200 * 1e6)
         return sorted(rounds)[2]  # (1 + 5 x 200 calls)
 
+    recorded = getattr(_hoccl, "staged_captured_calls", lambda: 0)  # into CUDA graphs
+
     def timed(op, nbytes):  # (us per call, the path its calls took)
-        before = _hoccl.cpu_calls_by_path()
+        before, captured = _hoccl.cpu_calls_by_path(), recorded()
         us = per_call(bodies[op], nbytes)
         after = _hoccl.cpu_calls_by_path()
+        captured_rows[op, nbytes] = recorded() > captured
         took = sorted(k for k in after if after[k] > before[k])
         staged = os.environ.get("JAX_HOCCL_STAGED_BYTES") != "0" and nbytes <= (1 << 20)
         default = "staged" if staged else "zero_copy"
         return us, "+".join(took) or default  # the GPU engine counts no paths
 
-    def exchange(path):  # the staged calls' engine on a GPU
-        if path != "staged" or not os.environ.get("BENCH_GPU"):
+    captured_rows = {}
+
+    def exchange(path, op, nbytes):  # on a GPU: the staged calls' engine, capture into graphs
+        if not os.environ.get("BENCH_GPU"):
             return {}
-        return {"exchange": "copy_calls" if os.environ.get("JAX_HOCCL_STAGED_KERNEL") == "0"
-                else "kernel"}
+        out = {"captured": captured_rows[op, nbytes]}
+        if path == "staged":
+            out["exchange"] = ("copy_calls" if os.environ.get("JAX_HOCCL_STAGED_KERNEL") == "0"
+                               else "kernel")
+        return out
 
     rows = []
     for nbytes in json.loads(os.environ["BYTES"]):
@@ -101,13 +114,13 @@ WORKER = textwrap.dedent("""
                 _, path = timed(op, nbytes)
                 for phase, calls, ns in _hoccl.host_profile(True):
                     rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n, path=path,
-                                     **exchange(path), phase=phase,
+                                     **exchange(path, op, nbytes), phase=phase,
                                      us_per_call=ns / 1e3 / 1001, calls_per_call=calls / 1001))
             continue
         base = per_call(bodies["none"], nbytes)
         for op in json.loads(os.environ["OPS"]):
             us, path = timed(op, nbytes)
-            rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n, path=path, **exchange(path),
+            rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n, path=path, **exchange(path, op, nbytes),
                              us_per_call=us, baseline_us_per_call=base))
     print("RESULT" + json.dumps({"rows": rows, "platform": jax.devices()[0].platform}), flush=True)
     os._exit(0)
@@ -128,8 +141,10 @@ def _settings(gpu: bool) -> list[dict]:
   also the staged path's copy-call exchange."""
   if os.environ.get("JAX_HOCCL_STAGED_BYTES"):
     return [{}]
-  kernel = [{"JAX_HOCCL_STAGED_KERNEL": "0"}] if gpu else []
-  return [{}, *kernel, {"JAX_HOCCL_STAGED_BYTES": "0"}]
+  if not gpu:
+    return [{}, {"JAX_HOCCL_STAGED_BYTES": "0"}]
+  return [{}, {"JAX_HOCCL_STAGED_KERNEL": "0"}, {"JAX_HOCCL_STAGED_BYTES": "0"},
+          {"XLA_FLAGS": CAPTURED_FLAGS}]
 
 
 def _over_jobs(jobs: list[list[dict]]) -> list[dict]:
@@ -174,7 +189,7 @@ def run(out_dir: str, commit: str) -> str:
       for found in per_setting:
         rows += [dict(r, mps=gpu) for r in _over_jobs(found)]
       if n == 2:  # the same calls with the handlers' host time counted by phase (64 KiB)
-        for setting in settings:
+        for setting in (s for s in settings if "XLA_FLAGS" not in s):  # handlers that run
           found, _ = _run(n, {**env, **setting, "JAX_HOCCL_PROFILE": "1",
                               "BYTES": json.dumps([64 << 10])})
           profile += found
@@ -191,12 +206,13 @@ def run(out_dir: str, commit: str) -> str:
             "python": platform.python_version(), "commit": commit, "date": str(datetime.date.today()),
             "per_call": rows,
             "host_profile": [dict(r, mps=gpu) for r in profile]}
-  print(f"{'op':<13} {'per rank':>9} ranks {'path':<17} {'us/call':>9} {'spread':>15} "
+  print(f"{'op':<13} {'per rank':>9} ranks {'path':<23} {'us/call':>9} {'spread':>15} "
         f"{'without':>9} {'added':>8}")
   for r in rows:
     spread = f"{r['spread_us'][0]:.0f}-{r['spread_us'][1]:.0f}"
-    path = r["path"] + (f"/{r['exchange']}" if "exchange" in r else "")
-    print(f"{r['op']:<13} {r['bytes_per_rank']:9d} {r['ranks']:5d} {path:<17} "
+    path = (r["path"] + (f"/{r['exchange']}" if "exchange" in r else "")
+            + ("/graph" if r.get("captured") else ""))
+    print(f"{r['op']:<13} {r['bytes_per_rank']:9d} {r['ranks']:5d} {path:<23} "
           f"{r['us_per_call']:9.1f} {spread:>15} {r['baseline_us_per_call']:9.1f} "
           f"{r['us_per_call'] - r['baseline_us_per_call']:8.1f}")
   print("host time inside the handlers per call, 64 KiB, 2 ranks (JAX_HOCCL_PROFILE=1):")
