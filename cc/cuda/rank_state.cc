@@ -136,6 +136,7 @@ std::string SetupRank(RankState& st, Communicator& comm, const OpSpec& spec, int
   st.peer_base.resize(n);
   for (int q = 0; q < n; ++q) st.peer_base[q] = reinterpret_cast<char*>(all[q]);
   st.peer_flags = std::move(all);
+  if (n <= kKernelMaxRanks && StagedRegionBytes(n)) st.kernel_layout = KernelLayout(st.peer_base);
   return "";
 }
 

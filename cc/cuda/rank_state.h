@@ -54,6 +54,8 @@ struct RankState {
   // Every rank's allocation (by rank; [rank] is mine): flags, then the staged path's region
   // (cuda/staged/staged_layout.h) at the same offset in each.
   std::vector<char*> peer_base;
+  // The staged region of every rank as the exchange kernel reads it (groups it serves).
+  StagedKernelLayout kernel_layout = {};
   StagedLaneState staged[kLanes];
   bool watched = false;  // registered with the staged path's watchdog
   // Mapped host memory the GPU writes each lane's staged progress to (the watchdog reads it),

@@ -104,11 +104,7 @@ std::string KernelExchange(const RankState& st, const Call& c) {
   a.ctas_done = CtasDone(mine, n, c.lane);
   a.broken = BrokenWord(mine, n);
   a.host = st.host_words_device;
-  for (int q = 0; q < n; ++q) a.layout.base[q] = st.peer_base[q];
-  a.layout.flags = ZeroCopyFlagBytes(n);
-  a.layout.slots = ZeroCopyFlagBytes(n) + StagedFlagBytes(n);
-  a.layout.slot_bytes = StagedSlotBytes();
-  a.layout.captured_set = kCapturedSet;
+  a.layout = st.kernel_layout;
   HostTimer launch("api: exchange kernel");
   cudaError_t e = LaunchExchangeKernel(a, ctas, c.stream);
   return e == cudaSuccess ? "" : CudaError("the exchange kernel's launch", e);

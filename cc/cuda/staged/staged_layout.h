@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "cuda/cuda_util.h"
 #include "cuda/rank_state.h"
@@ -64,6 +65,20 @@ inline unsigned int* CtasDone(char* base, int n, int lane) {
 }
 // The word the watchdog sets when it gives up on the group (exchange_kernel.h).
 inline unsigned int* BrokenWord(char* base, int n) { return CtasDone(base, n, kLanes); }
+
+// The same layout as the exchange kernel reads it, for the group whose allocations (by rank)
+// are `bases` (at most kKernelMaxRanks of them).
+inline StagedKernelLayout KernelLayout(const std::vector<char*>& bases) {
+  const int n = static_cast<int>(bases.size());
+  StagedKernelLayout l = {};
+  for (int q = 0; q < n; ++q) l.base[q] = bases[q];
+  char* b = bases[0];
+  l.flags = reinterpret_cast<char*>(StagedFlag(b, n, 0, 0)) - b;
+  l.slots = StagedSlot(b, n, 0, 0) - b;
+  l.slot_bytes = StagedSlotBytes();
+  l.captured_set = kCapturedSet;
+  return l;
+}
 
 }  // namespace hoccl
 

@@ -83,22 +83,27 @@ std::string ReadFlags(const Watched& w, int lane, int parity, uint64_t expected,
   return "";
 }
 
+// Sets the broken word (exchange_kernel.h) on the watchdog's stream `s`: every exchange
+// kernel's wait of this rank ends.
+void EnqueueBroken(const Watched& w, cudaStream_t s) {
+  static const unsigned int one = 1;
+  cudaMemcpyAsync(BrokenWord(w.st->peer_base[w.rank], w.comm->size()), &one, sizeof(one),
+                  cudaMemcpyHostToDevice, s);
+}
+
+void SetBroken(const Watched& w) {
+  if (cudaSetDevice(w.st->device) != cudaSuccess) return;
+  cudaStream_t s = StreamFor(w.st->device);
+  if (!s) return;
+  EnqueueBroken(w, s);
+  cudaStreamSynchronize(s);
+}
+
 // Ends the stuck waits myself: the exchange kernels see the broken word and stop waiting; the
 // stream memory operations' waits see every peer's flag of the stuck call raised. Either way
 // that call and the calls behind it pass one by one (the group is broken, so no new call is
 // enqueued).
-void SetBroken(const Watched& w) {
-  static const unsigned int one = 1;
-  if (cudaSetDevice(w.st->device) != cudaSuccess) return;
-  cudaStream_t s = StreamFor(w.st->device);
-  if (!s) return;
-  cudaMemcpyAsync(BrokenWord(w.st->peer_base[w.rank], w.comm->size()), &one, sizeof(one),
-                  cudaMemcpyHostToDevice, s);
-  cudaStreamSynchronize(s);
-}
-
 void Release(const Watched& w, int lane, uint64_t call) {
-  SetBroken(w);
   const int n = w.comm->size();
   const int parity = static_cast<int>(call & 1);
   std::vector<uint64_t> values(kChunkFlags,
@@ -106,6 +111,7 @@ void Release(const Watched& w, int lane, uint64_t call) {
   if (cudaSetDevice(w.st->device) != cudaSuccess) return;
   cudaStream_t s = StreamFor(w.st->device);
   if (!s) return;
+  EnqueueBroken(w, s);
   for (int q = 0; q < n; ++q)
     if (q != w.rank)
       cudaMemcpyAsync(StagedFlag(w.st->peer_base[w.rank], n, SlotSet(lane, parity), q),
