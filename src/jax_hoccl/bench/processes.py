@@ -12,19 +12,19 @@ Every size runs on both paths, in alternating jobs: the default crossover (calls
 per peer staged) and JAX_HOCCL_STAGED_BYTES=0 (the per-call rendezvous: zero copy on GPU);
 on a GPU also the staged calls as copy calls and stream memory operations instead of the
 exchange kernel (JAX_HOCCL_STAGED_KERNEL=0), and the default with XLA recording every program
-into a CUDA graph (CAPTURED_FLAGS: staged calls are replayed, their handler runs once). A JAX_HOCCL_STAGED_BYTES set by the caller runs
-alone. 16 MiB per rank is above the crossover: both paths' rows are zero copy there. Without a GPU the jobs repeat (JOBS
-times: the machine may be shared) and a row holds the median over jobs and their spread.
+into a CUDA graph (CAPTURED_FLAG: staged calls are replayed, their handler runs once). A
+JAX_HOCCL_STAGED_BYTES set by the caller runs alone. 16 MiB per rank is above the crossover:
+both paths' rows are zero copy there. Without a GPU the jobs repeat (JOBS times: the machine
+may be shared) and a row holds the median over jobs and their spread.
 
     python -m jax_hoccl.bench --processes [--out DIR]
 
 Rows: {"op", "bytes_per_rank", "ranks", "mps", "path", "us_per_call", "baseline_us_per_call",
 "jobs", "spread_us"}, the slowest rank's; "path" is the path the op's calls took ("staged",
 "rendezvous" or "zero_copy", as the engine counted them on CPU); on a GPU's staged rows,
-"exchange": "kernel" or "copy_calls", and on a GPU "captured": whether XLA recorded the
-calls into CUDA graphs. And "host_profile": the same
-calls' host time inside jax_hoccl's handlers by phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB,
-2 ranks), on each path.
+"exchange": "kernel" or "copy_calls", and on a GPU "captured": whether XLA recorded the calls
+into CUDA graphs. And "host_profile": the same calls' host time inside jax_hoccl's handlers by
+phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks), on each path.
 """
 from __future__ import annotations
 
@@ -42,9 +42,9 @@ from jax_hoccl.launch import mps_daemon, run_workers
 OPS = ("psum", "all_gather", "psum_scatter", "all_to_all", "ppermute")
 BYTES_PER_RANK = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
 JOBS = 5  # jobs per setting without a GPU
-# XLA's flags for the job whose calls XLA records into CUDA graphs: a graph of any size (its
+# XLA's flag for the job whose calls XLA records into CUDA graphs: a graph of any size (its
 # default minimum leaves a program this small uncaptured).
-CAPTURED_FLAGS = "--xla_gpu_shard_autotuning=false --xla_gpu_graph_min_graph_size=1"
+CAPTURED_FLAG = "--xla_gpu_graph_min_graph_size=1"
 
 WORKER = textwrap.dedent("""
     import json, os, sys, time
@@ -56,6 +56,7 @@ WORKER = textwrap.dedent("""
     from jax.sharding import NamedSharding, PartitionSpec as P
     import jax_hoccl
     from jax_hoccl import _hoccl
+    from jax_hoccl._src.ffi_targets import DEFAULT_STAGED_BYTES
     mesh = jax.make_mesh((n,), ("x",))
     shift = [(i, (i + 1) % n) for i in range(n)]
     bodies = {
@@ -90,13 +91,14 @@ WORKER = textwrap.dedent("""
         after = _hoccl.cpu_calls_by_path()
         captured_rows[op, nbytes] = recorded() > captured
         took = sorted(k for k in after if after[k] > before[k])
-        staged = os.environ.get("JAX_HOCCL_STAGED_BYTES") != "0" and nbytes <= (1 << 20)
+        staged = (os.environ.get("JAX_HOCCL_STAGED_BYTES") != "0"
+                  and nbytes <= DEFAULT_STAGED_BYTES)
         default = "staged" if staged else "zero_copy"
         return us, "+".join(took) or default  # the GPU engine counts no paths
 
     captured_rows = {}
 
-    def exchange(path, op, nbytes):  # on a GPU: the staged calls' engine, capture into graphs
+    def gpu_fields(path, op, nbytes):  # the staged calls' engine, capture into graphs
         if not os.environ.get("BENCH_GPU"):
             return {}
         out = {"captured": captured_rows[op, nbytes]}
@@ -114,14 +116,15 @@ WORKER = textwrap.dedent("""
                 _, path = timed(op, nbytes)
                 for phase, calls, ns in _hoccl.host_profile(True):
                     rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n, path=path,
-                                     **exchange(path, op, nbytes), phase=phase,
+                                     **gpu_fields(path, op, nbytes), phase=phase,
                                      us_per_call=ns / 1e3 / 1001, calls_per_call=calls / 1001))
             continue
         base = per_call(bodies["none"], nbytes)
         for op in json.loads(os.environ["OPS"]):
             us, path = timed(op, nbytes)
-            rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n, path=path, **exchange(path, op, nbytes),
-                             us_per_call=us, baseline_us_per_call=base))
+            rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n, path=path,
+                             **gpu_fields(path, op, nbytes), us_per_call=us,
+                             baseline_us_per_call=base))
     print("RESULT" + json.dumps({"rows": rows, "platform": jax.devices()[0].platform}), flush=True)
     os._exit(0)
 """)
@@ -136,15 +139,16 @@ def _run(n: int, env: dict):
           found[0]["platform"])
 
 
-def _settings(gpu: bool) -> list[dict]:
+def _settings(gpu: bool, xla_flags: str) -> list[dict]:
   """The crossover of each job: the caller's, else the default and 0 (both paths); on a GPU
-  also the staged path's copy-call exchange."""
+  also the staged path's copy-call exchange, and every program in CUDA graphs (`xla_flags`:
+  the jobs' XLA flags)."""
   if os.environ.get("JAX_HOCCL_STAGED_BYTES"):
     return [{}]
   if not gpu:
     return [{}, {"JAX_HOCCL_STAGED_BYTES": "0"}]
   return [{}, {"JAX_HOCCL_STAGED_KERNEL": "0"}, {"JAX_HOCCL_STAGED_BYTES": "0"},
-          {"XLA_FLAGS": CAPTURED_FLAGS}]
+          {"XLA_FLAGS": f"{xla_flags} {CAPTURED_FLAG}"}]
 
 
 def _over_jobs(jobs: list[list[dict]]) -> list[dict]:
@@ -180,7 +184,7 @@ def run(out_dir: str, commit: str) -> str:
                "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"}
       else:
         env = {**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-      settings = _settings(gpu)
+      settings = _settings(gpu, env["XLA_FLAGS"])
       per_setting = [[] for _ in settings]
       for _ in range(jobs):  # the settings alternate, so a busy spell hits both alike
         for i, setting in enumerate(settings):
