@@ -4,6 +4,7 @@ import glob
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -65,6 +66,8 @@ def test_per_call_rows_set_each_collective_beside_the_program_without_it(tmp_pat
   monkeypatch.setattr(processes, "OPS", ("psum", "ppermute"))
   monkeypatch.setattr(processes, "BYTES_PER_RANK", (4096,))
   monkeypatch.setattr(processes, "JOBS", 1)
+  monkeypatch.setattr(processes, "ROUNDS", 4)
+  monkeypatch.setattr(processes, "CALLS", 50)
   monkeypatch.delenv("JAX_HOCCL_STAGED_BYTES", raising=False)
   result = json.load(open(processes.run(str(tmp_path), "test")))
   rows = result["per_call"]
@@ -72,24 +75,34 @@ def test_per_call_rows_set_each_collective_beside_the_program_without_it(tmp_pat
       ("psum", 4096, 2, False, "staged"), ("ppermute", 4096, 2, False, "staged"),
       ("psum", 4096, 2, False, "rendezvous"), ("ppermute", 4096, 2, False, "rendezvous")]
   assert all(r["us_per_call"] > 0 and r["baseline_us_per_call"] > 0 for r in rows), rows
-  assert all(r["jobs"] == 1 and r["spread_us"] == [r["us_per_call"]] * 2 for r in rows), rows
-  assert rows[0]["baseline_us_per_call"] == rows[1]["baseline_us_per_call"]  # one baseline
+  for r in rows:  # the paired rounds' differences: their median and quartiles
+    added = r["added_per_round_us"]
+    assert r["jobs"] == 1 and len(added) == processes.ROUNDS, r
+    assert r["added_us_per_call"] == statistics.median(added), r
+    assert min(added) <= r["spread_us"][0] <= r["added_us_per_call"] <= r["spread_us"][1], r
   assert isinstance(result["host_profile"], list)  # (phases are counted by the CUDA engine)
 
 
-def test_steps_rows_set_each_step_beside_the_step_without_collectives(tmp_path):
+def test_steps_rows_set_each_step_beside_the_step_without_collectives(tmp_path, monkeypatch):
   """--steps: two processes of one CPU device each; a step row per collective beside the same
   step without one, the chained collectives' device time and decode's GEMV + psum beside the
   GEMV alone."""
   from jax_hoccl.bench import steps
+  monkeypatch.setattr(steps, "ROUNDS", 4)
+  monkeypatch.setattr(steps, "CALLS", 20)
   result = json.load(open(steps.run(str(tmp_path), "test", floor_us=9.9)))
   rows = result["step"]
   assert sorted(r["op"] for r in rows) == ["all_gather", "ppermute", "psum"], rows
   for r in rows:
     assert r["layers"] == steps.LAYERS and r["ranks"] == 2 and r["floor_us"] == 9.9
     assert r["us_per_step"] > 0 and r["baseline_us_per_step"] > 0
-    assert abs(r["per_collective_us"] * r["layers"]
-               - (r["us_per_step"] - r["baseline_us_per_step"])) < 1e-6
+    assert abs(r["per_collective_us"] * r["layers"] - r["added_us_per_step"]) < 1e-6
+    low, high = r["added_quartiles_us"]
+    assert low <= r["added_us_per_step"] <= high, r
   assert sorted(r["op"] for r in result["device_latency"]) == ["all_gather", "psum"]
-  assert [r["rows"] for r in result["decode"]] == [1, 8, 64]
-  assert all(r["us_per_call"] > 0 and r["gemv_us_per_call"] > 0 for r in result["decode"])
+  decode = result["decode"]
+  assert [r["rows"] for r in decode] == [1, 8, 64]
+  for r in decode:
+    assert r["layers"] == steps.LAYERS and r["us_per_call"] > 0 and r["gemv_us_per_call"] > 0
+    low, high = r["added_quartiles_us"]
+    assert low <= r["added_us_per_call"] <= high, r

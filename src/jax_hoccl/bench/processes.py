@@ -1,7 +1,8 @@
 """Time per call of jax_hoccl's collectives across processes, each beside the same program
 without the collective (`a * 0.5`, measured in the same process): what a collective adds to a
 jit call, host work included. jit calls dispatched back to back (each call's output is the
-next one's input) and waited for at the end; the median of 5 rounds of 200 calls.
+next one's input) and waited for at the end, in paired rounds of the op's program and the
+baseline (paired.py): what an op adds is the median of the rounds' differences.
 
 On one GPU, 2 and 4 processes share it under an MPS daemon of their own (their kernels run at
 once, as on GPUs of their own; same-GPU copies run on SMs, HBM is shared and there is no
@@ -15,16 +16,17 @@ exchange kernel (JAX_HOCCL_STAGED_KERNEL=0), and the default with XLA recording 
 into a CUDA graph (CAPTURED_FLAG: staged calls are replayed, their handler runs once). A
 JAX_HOCCL_STAGED_BYTES set by the caller runs alone. 16 MiB per rank is above the crossover:
 both paths' rows are zero copy there. Without a GPU the jobs repeat (JOBS times: the machine
-may be shared) and a row holds the median over jobs and their spread.
+may be shared) and a row pools their rounds.
 
     python -m jax_hoccl.bench --processes [--out DIR]
 
 Rows: {"op", "bytes_per_rank", "ranks", "mps", "path", "us_per_call", "baseline_us_per_call",
-"jobs", "spread_us"}, the slowest rank's; "path" is the path the op's calls took ("staged",
-"rendezvous" or "zero_copy", as the engine counted them on CPU); on a GPU's staged rows,
-"exchange": "kernel" or "copy_calls", and on a GPU "captured": whether XLA recorded the calls
-into CUDA graphs. And "host_profile": the same calls' host time inside jax_hoccl's handlers by
-phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks), on each path.
+"added_us_per_call", "spread_us" (the quartiles of the rounds' differences),
+"added_per_round_us", "jobs"}, from the rank the op adds most to; "path" is the path the op's
+calls took ("staged", "rendezvous" or "zero_copy", as the engine counted them on CPU); on a
+GPU's staged rows, "exchange": "kernel" or "copy_calls", and on a GPU "captured": whether XLA
+recorded the calls into CUDA graphs. And "host_profile": the same calls' host time inside
+jax_hoccl's handlers by phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks), on each path.
 """
 from __future__ import annotations
 
@@ -36,12 +38,13 @@ import os
 import platform
 import textwrap
 
-from jax_hoccl.bench import ranks
+from jax_hoccl.bench import paired, ranks
 from jax_hoccl.launch import mps_daemon, run_workers
 
 OPS = ("psum", "all_gather", "psum_scatter", "all_to_all", "ppermute")
 BYTES_PER_RANK = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
-JOBS = 5  # jobs per setting without a GPU
+JOBS = 2  # jobs per setting without a GPU
+ROUNDS, CALLS = paired.ROUNDS, paired.CALLS  # paired rounds per row, calls per round
 # XLA's flag for the job whose calls XLA records into CUDA graphs: a graph of any size (its
 # default minimum leaves a program this small uncaptured).
 CAPTURED_FLAG = "--xla_gpu_graph_min_graph_size=1"
@@ -56,8 +59,10 @@ WORKER = textwrap.dedent("""
     from jax.sharding import NamedSharding, PartitionSpec as P
     import jax_hoccl
     from jax_hoccl import _hoccl
+    from jax_hoccl.bench import paired
     from jax_hoccl._src.ffi_targets import DEFAULT_STAGED_BYTES
     mesh = jax.make_mesh((n,), ("x",))
+    rounds, calls = int(os.environ["ROUNDS"]), int(os.environ["CALLS"])
     shift = [(i, (i + 1) % n) for i in range(n)]
     bodies = {
         "psum": lambda v: jax_hoccl.psum(v, "x") * 0.5,
@@ -69,34 +74,40 @@ WORKER = textwrap.dedent("""
         "none": lambda v: v * 0.5,
     }
 
-    def per_call(body, nbytes):
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-        y = jax.make_array_from_process_local_data(
+    programs = {}
+
+    def program(name):  # one jit per body: the baseline compiles once per size
+        if name not in programs:
+            programs[name] = jax.jit(jax.shard_map(bodies[name], mesh=mesh, in_specs=P("x"),
+                                                   out_specs=P("x")))
+        return programs[name]
+
+    def data(nbytes):
+        return jax.make_array_from_process_local_data(
             NamedSharding(mesh, P("x")), np.ones((1, nbytes // 4), np.float32))
-        y = f(y).block_until_ready()
-        rounds = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(200):
-                y = f(y)
-            y.block_until_ready()
-            rounds.append((time.perf_counter() - t0) / 200 * 1e6)
-        return sorted(rounds)[2]  # (1 + 5 x 200 calls)
 
     recorded = getattr(_hoccl, "staged_captured_calls", lambda: 0)  # into CUDA graphs
+    captured_rows = {}
 
-    def timed(op, nbytes):  # (us per call, the path its calls took)
+    def taking(op, nbytes, measure):  # measure(the op's program), the path its calls took
         before, captured = _hoccl.cpu_calls_by_path(), recorded()
-        us = per_call(bodies[op], nbytes)
+        result = measure(program(op))
         after = _hoccl.cpu_calls_by_path()
         captured_rows[op, nbytes] = recorded() > captured
         took = sorted(k for k in after if after[k] > before[k])
         staged = (os.environ.get("JAX_HOCCL_STAGED_BYTES") != "0"
                   and nbytes <= DEFAULT_STAGED_BYTES)
         default = "staged" if staged else "zero_copy"
-        return us, "+".join(took) or default  # the GPU engine counts no paths
+        return result, "+".join(took) or default  # the GPU engine counts no paths
 
-    captured_rows = {}
+    def profiled(f, nbytes):  # host time by phase over 1 + calls calls
+        f(data(nbytes)).block_until_ready()  # compiled, run once
+        _hoccl.host_profile(True)
+        y = f(data(nbytes))
+        for _ in range(calls):
+            y = f(y)
+        y.block_until_ready()
+        return _hoccl.host_profile(True)
 
     def gpu_fields(path, op, nbytes):  # the staged calls' engine, capture into graphs
         if not os.environ.get("BENCH_GPU"):
@@ -109,34 +120,33 @@ WORKER = textwrap.dedent("""
 
     rows = []
     for nbytes in json.loads(os.environ["BYTES"]):
-        if os.environ.get("JAX_HOCCL_PROFILE"):  # where a call's host time goes, by phase
-            for op in json.loads(os.environ["OPS"]):
-                per_call(bodies[op], nbytes)  # compiles and runs it
-                _hoccl.host_profile(True)
-                _, path = timed(op, nbytes)
-                for phase, calls, ns in _hoccl.host_profile(True):
-                    rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n, path=path,
-                                     **gpu_fields(path, op, nbytes), phase=phase,
-                                     us_per_call=ns / 1e3 / 1001, calls_per_call=calls / 1001))
-            continue
-        base = per_call(bodies["none"], nbytes)
         for op in json.loads(os.environ["OPS"]):
-            us, path = timed(op, nbytes)
-            rows.append(dict(op=op, bytes_per_rank=nbytes, ranks=n, path=path,
-                             **gpu_fields(path, op, nbytes), us_per_call=us,
-                             baseline_us_per_call=base))
+            key = dict(op=op, bytes_per_rank=nbytes, ranks=n)
+            if os.environ.get("JAX_HOCCL_PROFILE"):  # where a call's host time goes, by phase
+                phases, path = taking(op, nbytes, lambda f: profiled(f, nbytes))
+                rows += [dict(key, path=path, **gpu_fields(path, op, nbytes), phase=phase,
+                              us_per_call=ns / 1e3 / (1 + calls),
+                              calls_per_call=count / (1 + calls))
+                         for phase, count, ns in phases]
+                continue
+            t, path = taking(op, nbytes, lambda f: paired.paired(
+                f, program("none"), (data(nbytes),), rounds, calls))
+            rows.append(dict(key, path=path, **gpu_fields(path, op, nbytes),
+                             us_per_call=t["us"], baseline_us_per_call=t["baseline_us"],
+                             added_us_per_call=t["added_us"],
+                             added_per_round_us=t["added_per_round_us"]))
     print("RESULT" + json.dumps({"rows": rows, "platform": jax.devices()[0].platform}), flush=True)
     os._exit(0)
 """)
 
 
 def _run(n: int, env: dict):
-  """The rows of one job of n processes (the slowest rank's times), and the platform."""
+  """The rows of one job of n processes (each the row of the rank the op adds most to), and
+  the platform."""
   found = ranks.results(run_workers(WORKER, n, {**env, "PYTHONFAULTHANDLER": "1"}, 600))
   if env.get("JAX_HOCCL_PROFILE"):
     return found[0]["rows"], found[0]["platform"]  # rank 0's phases
-  return (ranks.slowest([r["rows"] for r in found], ("us_per_call", "baseline_us_per_call")),
-          found[0]["platform"])
+  return ranks.slowest_by([r["rows"] for r in found], ["added_us_per_call"]), found[0]["platform"]
 
 
 def _settings(gpu: bool, xla_flags: str) -> list[dict]:
@@ -152,16 +162,18 @@ def _settings(gpu: bool, xla_flags: str) -> list[dict]:
 
 
 def _over_jobs(jobs: list[list[dict]]) -> list[dict]:
-  """One row per op, size and path: the median over jobs of the same setting, its spread."""
+  """One row per op, size and path over jobs of the same setting: the medians over jobs of
+  the times, and the median and quartiles of every job's rounds' paired differences."""
   import statistics
   out = []
   for per_job in zip(*jobs):
-    times = [r["us_per_call"] for r in per_job]
-    row = dict(per_job[0], us_per_call=statistics.median(times),
-               baseline_us_per_call=statistics.median(r["baseline_us_per_call"]
-                                                      for r in per_job),
-               jobs=len(per_job), spread_us=[min(times), max(times)])
-    out.append(row)
+    added = [a for r in per_job for a in r["added_per_round_us"]]
+    out.append(dict(
+        per_job[0], jobs=len(per_job),
+        us_per_call=statistics.median(r["us_per_call"] for r in per_job),
+        baseline_us_per_call=statistics.median(r["baseline_us_per_call"] for r in per_job),
+        added_us_per_call=statistics.median(added), spread_us=paired.quartiles(added),
+        added_per_round_us=added))
   return out
 
 
@@ -171,7 +183,8 @@ def run(out_dir: str, commit: str) -> str:
   # XLA:CPU hangs with many launches in flight and few threads (docs/design.md, section 3).
   base.setdefault("PJRT_NPROC", "16")
   base.setdefault("JAX_HOCCL_TIMEOUT_S", "60")
-  base.update(OPS=json.dumps(OPS), BYTES=json.dumps(BYTES_PER_RANK))
+  base.update(OPS=json.dumps(OPS), BYTES=json.dumps(BYTES_PER_RANK), ROUNDS=str(ROUNDS),
+              CALLS=str(CALLS))
   gpu = bool(glob.glob("/dev/nvidia[0-9]*"))
   jobs = 1 if gpu else JOBS
   load = [os.getloadavg()[0]]  # a shared machine's load, at the start and the end
@@ -201,8 +214,9 @@ def run(out_dir: str, commit: str) -> str:
   import jaxlib
   load.append(os.getloadavg()[0])
   result = {"what": "time per jit call, back to back, against the same program without the "
-                    "collective (median of 5 x 200 calls per job, median over jobs; "
-                    "jax_hoccl/bench/processes.py)",
+                    f"collective: {ROUNDS} paired rounds of {CALLS} calls per job; "
+                    "added: the median of the rounds' differences, spread: their quartiles "
+                    "(jax_hoccl/bench/processes.py, paired.py)",
             "platform": plat,
             "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
             "load_average_1min": [round(x, 2) for x in load],
@@ -210,7 +224,7 @@ def run(out_dir: str, commit: str) -> str:
             "python": platform.python_version(), "commit": commit, "date": str(datetime.date.today()),
             "per_call": rows,
             "host_profile": [dict(r, mps=gpu) for r in profile]}
-  print(f"{'op':<13} {'per rank':>9} ranks {'path':<23} {'us/call':>9} {'spread':>15} "
+  print(f"{'op':<13} {'per rank':>9} ranks {'path':<23} {'us/call':>9} {'added q1-q3':>15} "
         f"{'without':>9} {'added':>8}")
   for r in rows:
     spread = f"{r['spread_us'][0]:.0f}-{r['spread_us'][1]:.0f}"
@@ -218,7 +232,7 @@ def run(out_dir: str, commit: str) -> str:
             + ("/graph" if r.get("captured") else ""))
     print(f"{r['op']:<13} {r['bytes_per_rank']:9d} {r['ranks']:5d} {path:<23} "
           f"{r['us_per_call']:9.1f} {spread:>15} {r['baseline_us_per_call']:9.1f} "
-          f"{r['us_per_call'] - r['baseline_us_per_call']:8.1f}")
+          f"{r['added_us_per_call']:8.1f}")
   print("host time inside the handlers per call, 64 KiB, 2 ranks (JAX_HOCCL_PROFILE=1):")
   for r in result["host_profile"]:
     path = r["path"] + (f"/{r['exchange']}" if "exchange" in r else "")

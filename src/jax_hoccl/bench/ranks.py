@@ -27,3 +27,12 @@ def slowest(rows_per_rank, keys) -> list[dict]:
         row[key] = max(r[key] for r in per_rank)
     rows.append(row)
   return rows
+
+
+def slowest_by(rows_per_rank, keys) -> list[dict]:
+  """For each row (in the same order on every rank), the row of the rank where the first of
+  `keys` that the row has is largest: one rank's figures, which belong together."""
+  def worst(per_rank):
+    key = next(k for k in keys if k in per_rank[0])
+    return max(per_rank, key=lambda r: r[key])
+  return [worst(per_rank) for per_rank in zip(*rows_per_rank)]

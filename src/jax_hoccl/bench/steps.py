@@ -6,17 +6,20 @@ without a GPU, 2 processes of one CPU device each.
 
     python -m jax_hoccl.bench --steps [--staged-floor-us US] [--out DIR]
 
-Rows (the slowest rank's):
+Rows (from the rank that the collectives add most to; paired.py: paired rounds of the program
+with and without them, "added" the median of the rounds' differences, its quartiles beside):
   "step": {"op", "layers", "ranks", "mps", "command_buffers", "us_per_step",
-           "baseline_us_per_step", "per_collective_us", "floor_us"}: L = 12 layers
-           (64 x 1024 @ 1024 x 1024 bf16, gelu; 128 wide without a GPU), a collective after
-           each (or none: the baseline);
-           per_collective_us = (step - baseline) / L.
+           "baseline_us_per_step", "added_us_per_step", "added_quartiles_us",
+           "per_collective_us", "floor_us"}: L = 12 layers (64 x 1024 @ 1024 x 1024 bf16,
+           gelu; 128 wide without a GPU), a collective after each (or none: the baseline);
+           per_collective_us = added_us_per_step / L.
   "device_latency": {"op", "bytes_per_rank", "ranks", "mps", "us_per_op", "floor_us"}: K = 50
            dependent collectives in one jit, divided by K.
-  "decode": {"op": "matmul_psum", "rows", "k", "n", "ranks", "mps", "us_per_call",
-           "gemv_us_per_call"}: the fused GEMV + psum (weights split by rows, K = N = 8192; 512
-           without a GPU) beside the GEMV.
+  "decode": {"op": "matmul_psum", "rows", "k", "n", "layers", "ranks", "mps", "us_per_call",
+           "gemv_us_per_call", "added_us_per_call", "added_quartiles_us"}: a decode step of
+           L layers, each the fused GEMV + psum (weights split by rows, K = N = 8192; 512
+           without a GPU; one weight for every layer), beside the same step of GEMVs alone;
+           per layer.
 floor_us: the staged one-hop exchange's device-bound floor measured beside this run, if given.
 """
 from __future__ import annotations
@@ -29,11 +32,12 @@ import os
 import platform
 import textwrap
 
-from jax_hoccl.bench import ranks
+from jax_hoccl.bench import paired, ranks
 from jax_hoccl.launch import mps_daemon, run_workers
 
 LAYERS = 12
 CHAIN = 50
+ROUNDS, CALLS = paired.ROUNDS, paired.CALLS  # paired rounds per row, calls per round
 
 WORKER = textwrap.dedent("""
     import json, os, sys, time
@@ -44,8 +48,10 @@ WORKER = textwrap.dedent("""
     import numpy as np, jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
     import jax_hoccl
+    from jax_hoccl.bench import paired
     mesh = jax.make_mesh((n,), ("x",))
-    L, K, D, KD = (int(os.environ[v]) for v in ("LAYERS", "CHAIN", "WIDTH", "DECODE_K"))
+    L, K, D, KD, R, C = (int(os.environ[v])
+                         for v in ("LAYERS", "CHAIN", "WIDTH", "DECODE_K", "ROUNDS", "CALLS"))
     shift = [(i, (i + 1) % n) for i in range(n)]
     after = {
         "none": lambda h: h,
@@ -58,27 +64,19 @@ WORKER = textwrap.dedent("""
         v = np.random.default_rng(seed + me).standard_normal(shape) / np.sqrt(shape[-1])
         return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), v.astype(dtype))
 
-    def timed(f, *args):  # median of 5 rounds of 200 calls back to back (output -> input)
-        y = f(*args).block_until_ready()
-        rounds = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(200):
-                y = f(y, *args[1:])
-            y.block_until_ready()
-            rounds.append((time.perf_counter() - t0) / 200 * 1e6)
-        return sorted(rounds)[2]
-
     rows = []
     w = local((1, D, D), jnp.bfloat16, 7)  # one layer's weight, reused by every layer
+    h = local((64, D), jnp.bfloat16)
+    steps = {}
     for op, coll in after.items():
         def step(h, w, coll=coll):
             for _ in range(L):
                 h = coll(jax.nn.gelu(h @ w[0]))
             return h
-        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"),
-                                  check_vma=False))
-        rows.append(dict(kind="step", op=op, us=timed(f, local((64, D), jnp.bfloat16), w)))
+        steps[op] = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("x"), P("x")),
+                                          out_specs=P("x"), check_vma=False))
+    for op in ("psum", "all_gather", "ppermute"):
+        rows.append(dict(kind="step", op=op, **paired.paired(steps[op], steps["none"], (h, w), R, C)))
     if os.environ.get("CHAINS"):
         for op in ("psum", "all_gather"):
             def chain(v, op=op):
@@ -100,13 +98,18 @@ WORKER = textwrap.dedent("""
         wd = local((kdim // n, kdim), jnp.bfloat16, 3)
         specs = dict(mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P(None, "x"),
                      check_vma=False)
-        for m in (1, 8, 64):  # (the result feeds the next call: x's shape, through a * 0)
+        def decode(layer):  # L layers, each one's result (its first K / n columns) the next's input
+            def body(v, w):
+                for _ in range(L):
+                    v = layer(v, w)[:, :v.shape[1]]
+                return v
+            return jax.jit(jax.shard_map(body, **specs))
+        fused = decode(lambda v, w: jax_hoccl.matmul_psum(v, w, "x"))
+        gemv = decode(lambda v, w: v @ w)
+        for m in (1, 8, 64):
             xd = local((m, kdim // n), jnp.bfloat16, 5, P(None, "x"))
-            fused = jax.jit(jax.shard_map(
-                lambda v, w: jax_hoccl.matmul_psum(v, w, "x")[:, :v.shape[1]] * 0 + v, **specs))
-            gemv = jax.jit(jax.shard_map(lambda v, w: (v @ w)[:, :v.shape[1]] * 0 + v, **specs))
-            rows.append(dict(kind="decode", op="matmul_psum", rows=m, us=timed(fused, xd, wd),
-                             gemv_us=timed(gemv, xd, wd)))
+            rows.append(dict(kind="decode", op="matmul_psum", rows=m,
+                             **paired.paired(fused, gemv, (xd, wd), R, C)))
     print("RESULT" + json.dumps({"rows": rows, "platform": jax.devices()[0].platform}), flush=True)
     os._exit(0)
 """)
@@ -114,7 +117,7 @@ WORKER = textwrap.dedent("""
 
 def _job(n: int, env: dict) -> tuple[list, str]:
   found = ranks.results(run_workers(WORKER, n, {**env, "PYTHONFAULTHANDLER": "1"}, 600))
-  return ranks.slowest([f["rows"] for f in found], ["us", "gemv_us"]), found[0]["platform"]
+  return ranks.slowest_by([f["rows"] for f in found], ["added_us", "us"]), found[0]["platform"]
 
 
 def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
@@ -125,7 +128,8 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
   gpu = bool(glob.glob("/dev/nvidia[0-9]*"))
   # (without a GPU: narrower layers and a smaller GEMV, which checks the benchmark itself)
   width, decode_k = (1024, 8192) if gpu else (128, 512)
-  base.update(LAYERS=str(LAYERS), CHAIN=str(CHAIN), WIDTH=str(width), DECODE_K=str(decode_k))
+  base.update(LAYERS=str(LAYERS), CHAIN=str(CHAIN), WIDTH=str(width), DECODE_K=str(decode_k),
+              ROUNDS=str(ROUNDS), CALLS=str(CALLS))
   steps, latency, decode = [], [], []
   for n in ((2, 4) if gpu else (2,)):
     for buffers in ((True, False) if gpu else (False,)):
@@ -142,18 +146,22 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
           env["CHAINS"] = "1"
         rows, plat = _job(n, env)
       common = dict(ranks=n, mps=gpu)
-      none = next(r["us"] for r in rows if r["kind"] == "step" and r["op"] == "none")
       for r in rows:
-        if r["kind"] == "step" and r["op"] != "none":
+        if r["kind"] == "step":
           steps.append(dict(op=r["op"], layers=LAYERS, command_buffers=buffers, **common,
-                            us_per_step=r["us"], baseline_us_per_step=none,
-                            per_collective_us=(r["us"] - none) / LAYERS, floor_us=floor_us))
+                            us_per_step=r["us"], baseline_us_per_step=r["baseline_us"],
+                            added_us_per_step=r["added_us"],
+                            added_quartiles_us=r["added_quartiles_us"],
+                            per_collective_us=r["added_us"] / LAYERS, floor_us=floor_us))
         elif r["kind"] == "device_latency":
           latency.append(dict(op=r["op"], bytes_per_rank=r["bytes_per_rank"], **common,
                               us_per_op=r["us"], floor_us=floor_us))
         elif r["kind"] == "decode":
           decode.append(dict(op=r["op"], rows=r["rows"], k=decode_k, n=decode_k, **common,
-                             us_per_call=r["us"], gemv_us_per_call=r["gemv_us"]))
+                             layers=LAYERS, us_per_call=r["us"] / LAYERS,
+                             gemv_us_per_call=r["baseline_us"] / LAYERS,
+                             added_us_per_call=r["added_us"] / LAYERS,
+                             added_quartiles_us=[q / LAYERS for q in r["added_quartiles_us"]]))
   import jax
   result = {"what": "steps of small layers with and without collectives, device time per "
                     "collective in a chain, decode's GEMV + psum (jax_hoccl/bench/steps.py)",
@@ -164,13 +172,16 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
   for r in steps:
     print(f"step {r['op']:<10} ranks {r['ranks']} graphs {str(r['command_buffers']):<5} "
           f"{r['us_per_step']:8.1f} us, without {r['baseline_us_per_step']:8.1f}, "
-          f"{r['per_collective_us']:6.1f} us per collective")
+          f"{r['per_collective_us']:6.1f} us per collective "
+          f"(q1-q3 {r['added_quartiles_us'][0] / LAYERS:.1f}-"
+          f"{r['added_quartiles_us'][1] / LAYERS:.1f})")
   for r in latency:
     print(f"chain {r['op']:<10} ranks {r['ranks']} {r['us_per_op']:8.1f} us per op "
           f"(floor {r['floor_us']})")
   for r in decode:
     print(f"decode matmul_psum rows {r['rows']:<3} ranks {r['ranks']} {r['us_per_call']:8.1f} us, "
-          f"GEMV alone {r['gemv_us_per_call']:8.1f} us")
+          f"GEMV alone {r['gemv_us_per_call']:8.1f} us, added {r['added_us_per_call']:6.1f} us "
+          f"(q1-q3 {r['added_quartiles_us'][0]:.1f}-{r['added_quartiles_us'][1]:.1f})")
   os.makedirs(out_dir, exist_ok=True)
   name = os.path.join(out_dir, f"{result['date']}-{'1xH200' if gpu else 'cpu'}-steps.json")
   with open(name, "w") as f:

@@ -1,0 +1,54 @@
+"""Time per call of a jitted program beside a baseline program, in paired rounds: each round
+times both (in alternating order, so a slow spell or a drift hits both alike), and what the
+program adds is the median of the rounds' differences. Imported by the benchmarks' workers
+(processes.py, steps.py), each a rank of a job.
+
+A round of a program that exchanges with peers starts with one call waited for: that call ends
+only once every rank has made it, so the ranks' timed calls start together, whatever the
+baseline round before took on each."""
+from __future__ import annotations
+
+import statistics
+import time
+
+ROUNDS = 12
+CALLS = 200
+
+
+def _round_us(f, args, calls: int) -> float:
+  """Time per call of `calls` calls back to back (each call's output the next one's first
+  argument), waited for at the end; after one call waited for (see the module's doc)."""
+  y = f(*args).block_until_ready()
+  t0 = time.perf_counter()
+  for _ in range(calls):
+    y = f(y, *args[1:])
+  y.block_until_ready()
+  return (time.perf_counter() - t0) / calls * 1e6
+
+
+def quartiles(values) -> list[float]:
+  """The lower and upper quartiles of `values` (both the value itself for one)."""
+  if len(values) == 1:
+    return [values[0], values[0]]
+  q = statistics.quantiles(values, n=4, method="inclusive")
+  return [q[0], q[2]]
+
+
+def paired(f, baseline, args, rounds: int = ROUNDS, calls: int = CALLS) -> dict:
+  """{"us", "baseline_us": medians over the rounds; "added_us": the median of the rounds'
+  differences; "added_quartiles_us", "added_per_round_us"} for `f` and `baseline` called on
+  the same `args` (both compiled by a first call here)."""
+  f(*args).block_until_ready()
+  baseline(*args).block_until_ready()
+  ours, theirs = [], []
+  for i in range(rounds):
+    if i % 2:
+      ours.append(_round_us(f, args, calls))
+      theirs.append(_round_us(baseline, args, calls))
+    else:
+      theirs.append(_round_us(baseline, args, calls))
+      ours.append(_round_us(f, args, calls))
+  added = [a - b for a, b in zip(ours, theirs)]
+  return {"us": statistics.median(ours), "baseline_us": statistics.median(theirs),
+          "added_us": statistics.median(added), "added_quartiles_us": quartiles(added),
+          "added_per_round_us": added}
