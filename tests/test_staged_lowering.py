@@ -1,0 +1,62 @@
+"""The staged path's targets, lowered for CUDA on a CPU-only machine (jax lowers for another
+platform without its devices), in one process of several devices: a mesh of one process's
+devices, as on one host whose process drives several GPUs, takes the same captured path as one
+process per GPU. Every collective whose block (what one rank sends one peer) is at most
+JAX_HOCCL_STAGED_BYTES lowers to its command-buffer compatible `_staged` twin, which XLA may
+capture into its CUDA graphs; a larger block, and any block with JAX_HOCCL_STAGED_BYTES=0,
+lowers to the plain target, which XLA runs outside them. The values on a GPU:
+tests/test_gpu_multiprocess.py (CAPTURE_WORKER)."""
+import re
+
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_hoccl
+from conftest import CPUS
+
+MOVER = {"psum": "all_gather", "pmax": "all_gather", "all_gather": "all_gather",
+         "psum_scatter": "all_to_all", "all_to_all": "all_to_all", "ppermute": "ppermute"}
+
+
+@pytest.fixture(autouse=True)
+def cuda_targets(monkeypatch):
+  """A build without the CUDA engine lowers the same program once its targets are listed for
+  CUDA (lowering only names the handlers)."""
+  from jax_hoccl._src import ffi_targets
+  monkeypatch.setattr(ffi_targets, "TARGETS", {
+      name: tuple(set(platforms) | {"CUDA"}) for name, platforms in ffi_targets.TARGETS.items()})
+
+
+def _targets(op, n, cols):
+  """The jax_hoccl custom calls of `op` over n devices of this process, each rank's input
+  n x cols float32."""
+  mesh = jax.make_mesh((n,), ("tp",), devices=CPUS[:n])
+  shift = [(i, (i + 1) % n) for i in range(n)]
+  body = {"psum": lambda v: jax_hoccl.psum(v, "tp"),
+          "pmax": lambda v: jax_hoccl.pmax(v, "tp"),
+          "all_gather": lambda v: jax_hoccl.all_gather(v, "tp", tiled=True),
+          "psum_scatter": lambda v: jax_hoccl.psum_scatter(v, "tp", tiled=True),
+          "all_to_all": lambda v: jax_hoccl.all_to_all(v, "tp", 0, 0, tiled=True),
+          "ppermute": lambda v: jax_hoccl.ppermute(v, "tp", shift)}[op]
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"),
+                            check_vma=False))
+  x = jax.ShapeDtypeStruct((n * n, cols), jnp.float32, sharding=NamedSharding(mesh, P("tp")))
+  text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  return [a or b for a, b in re.findall(r'custom_call @(hoccl\w+)|call_target_name = "(hoccl\w+)"',
+                                        text)]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("op", sorted(MOVER))
+def test_blocks_up_to_the_crossover_lower_to_the_captured_targets(op, n, monkeypatch):
+  monkeypatch.setenv("JAX_HOCCL_STAGED_BYTES", "4096")
+  mover = f"hoccl_{MOVER[op]}"
+  # n x 256 float32 per rank: an all_gather's block n KiB, an all_to_all's 1 KiB
+  assert _targets(op, n, 256) == [f"{mover}_staged"]
+  # n x 4096: blocks of 16 KiB and more, above the crossover
+  assert _targets(op, n, 4096) == [mover]
+  monkeypatch.setenv("JAX_HOCCL_STAGED_BYTES", "0")
+  assert _targets(op, n, 256) == [mover]
