@@ -177,3 +177,33 @@ def test_model_cli_on_a_committed_file():
   for gpus in (8, 64, 512):
     assert f"\n| {gpus} | psum" in text, gpus
   assert "CPU timings" not in out.stderr  # nothing was measured: no device was needed
+
+
+STEPS = os.path.join(os.path.dirname(H200[0]), "2026-12-02-1xH200-steps.json")
+
+
+def test_staged_fit_is_what_the_model_holds_and_projects_two_gpus():
+  """staged_alpha_us is the fit of the committed chains of staged calls (one H200, 2 ranks);
+  the projection puts the staged path's device time per call beside every jax.lax row of the
+  2x H200 runs up to 1 MiB, and its terms are the staged path's: the fixed cost, one flag
+  hop, the link bytes (psum pulls the peer's whole array, all_gather its half)."""
+  chains = model.load_chains(_load([STEPS]))
+  assert {(r.op, r.n) for r in chains} >= {("psum", 2), ("all_gather", 2)}
+  p = model.fit_staged(chains, cm.FITTED)
+  assert p.staged_alpha_us == pytest.approx(cm.FITTED.staged_alpha_us, abs=0.05)
+  assert model.fit_staged([], cm.FITTED) == cm.FITTED  # nothing to fit: kept
+  s = 1 * MIB
+  fixed = p.staged_alpha_us + p.hop_us
+  assert cm.staged_us("ppermute", s, 2, p) == pytest.approx(fixed + s / p.link_gbps / 1e3)
+  assert cm.staged_us("all_gather", s, 2, p) == pytest.approx(
+      fixed + (s / 2) / p.link_gbps / 1e3 + s / p.sum_gbps / 1e3)
+  assert cm.staged_us("psum", s, 2, p) == pytest.approx(
+      fixed + s / p.link_gbps / 1e3 + 3 * s / p.sum_gbps / 1e3)
+  lax = model.load_lax_device_times(_load(H200))
+  table = model.staged_projection(p, lax)
+  body = table.splitlines()[2:]
+  assert len(body) == len([r for r in lax if r.nbytes <= MIB]) == 20
+  for line in body:
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    ours, theirs, ratio = float(cells[3]), float(cells[4]), float(cells[5])
+    assert ratio == pytest.approx(ours / theirs, abs=0.01), line  # (cells rounded)

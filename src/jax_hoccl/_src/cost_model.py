@@ -15,10 +15,14 @@ section 3) plus XLA fusions. One exchange at group size n costs
 and the model is the sum over its exchanges. XLA's own collectives (NCCL on GPU) are
 alpha + busbw_factor * bytes / busbw, per op; across nodes XLA's rings go through the NICs.
 
+On the staged path (blocks up to the crossover) a call is one exchange kernel instead:
+staged_alpha_us + hop_us + link_bytes / link_gbps + sum_bytes / sum_gbps (`staged_us`).
+
 What is fitted and what is not: `src/jax_hoccl/bench/model.py` fits alpha, link_gbps,
-sum_gbps (jax_hoccl rows), engine_gbps (the raw copy-engine rows) and XLA's alpha/busbw per op
-(jax.lax rows) by least squares on relative error; FITTED holds the values it found on the
-committed 2x H200 results (`python -m jax_hoccl.bench --model` prints them and each row's
+sum_gbps (jax_hoccl rows), engine_gbps (the raw copy-engine rows), XLA's alpha/busbw per op
+(jax.lax rows) by least squares on relative error, and staged_alpha_us on chains of staged
+calls (one GPU; the mean of what the local terms leave). FITTED holds the values it found on
+the committed results (`python -m jax_hoccl.bench --model` prints them and each row's
 error). Two ranks cannot separate hop_us and copy_issue_us from alpha, so they are fixed from
 single measurements (docs/design.md section 1, benchmarks/README.md "Small messages"), and
 the inter-node figures are assumptions (see Params), not measurements.
@@ -61,6 +65,11 @@ class Params:
   gpus_per_node: int = 8
   nic_gbps: float = 45.0
   nic_latency_us: float = 5.0  # per level of NCCL's tree across nodes
+  # The staged path (docs/design.md, "The staged path"): one exchange kernel per call, its fixed
+  # device cost fitted to chains of staged calls on one GPU (two ranks under MPS: the kernel,
+  # its flag exchange through the GPU's own memory, XLA's fusion after it). Across GPUs a
+  # call's flags cross NVLink once (hop_us) and its pushes go over the links (link_gbps).
+  staged_alpha_us: float = 9.6  # fitted on benchmarks/results/2026-12-02-1xH200-steps.json
 
 
 # Fitted by `python -m jax_hoccl.bench --model` on benchmarks/results/2026-11-30-2xNVIDIA-H200.json
@@ -121,6 +130,16 @@ def hoccl_us(op: str, algorithm: str | None, nbytes: float, n: int, p: Params = 
   """jax_hoccl's `op` over n ranks inside one node (NVLink, copy engines)."""
   p = p or FITTED
   return sum(exchange_us(e, p) for e in exchanges(op, algorithm, nbytes, n))
+
+
+def staged_us(op: str, nbytes: float, n: int, p: Params = None) -> float:
+  """jax_hoccl's `op` on the staged path over n GPUs of one node, as XLA replays it in a CUDA
+  graph (no host work): per exchange (psum's: one_shot) the kernel's fixed cost, one flag hop,
+  the pushes over the links and the bytes XLA's sum reads and writes."""
+  p = p or FITTED
+  algorithm = "one_shot" if op == "psum" else None
+  return sum(p.staged_alpha_us + p.hop_us + e.link_bytes / p.link_gbps / 1e3
+             + e.sum_bytes / p.sum_gbps / 1e3 for e in exchanges(op, algorithm, nbytes, n))
 
 
 def xla_us(op: str, nbytes: float, n: int, p: Params = None, nodes: int = 1) -> float:

@@ -7,7 +7,10 @@ collectives rows of at least `min_bytes` (1 MiB: below it the host's per-op cost
 and the single- vs multi-stream paths differ, which the model does not separate):
   jax_hoccl rows -> alpha per op, link_gbps, sum_gbps;
   copy_engine_raw rows -> engine_alpha_us, engine_gbps;
-  jax.lax rows -> XLA's alpha and bus bandwidth per op.
+  jax.lax rows -> XLA's alpha and bus bandwidth per op;
+  chains of staged calls (`bench --steps`' "device_latency" rows, two ranks on one GPU) ->
+  staged_alpha_us, which projects the staged path's device time per call on two GPUs beside
+  jax.lax's measured one (the "device_latency" rows of a two-GPU run).
 A parameter that no row determines keeps cost_model.FITTED's value.
 """
 from __future__ import annotations
@@ -59,8 +62,10 @@ class Row:
 def load(results: dict[str, dict]) -> list[Row]:
   rows = []
   for name, result in results.items():
+    if "collectives" not in result:  # (a `bench --steps` file: load_chains)
+      continue
     n = group_size(result)
-    for r in result.get("collectives", []):
+    for r in result["collectives"]:
       algo = psum_algorithm(r, result) if (r["op"], r["impl"]) == ("psum", "jax_hoccl") else None
       rows.append(Row(name, r["op"], r["impl"], algo, r["bytes_per_device"], n, r["time_us"]))
   return rows
@@ -109,6 +114,53 @@ def fit(rows: list[Row], min_bytes: int = MIB, base: cm.Params = cm.FITTED) -> c
   return dataclasses.replace(p, xla_alpha_us=xa, xla_busbw_gbps=xb)
 
 
+def load_chains(results: dict[str, dict]) -> list[Row]:
+  """The staged chains of `bench --steps` files (rows with "ranks"), their sizes as the model
+  counts them (all_gather's: its output)."""
+  rows = []
+  for name, result in results.items():
+    for r in result.get("device_latency", []):
+      if "ranks" in r and r["ranks"] >= 2:
+        n = r["ranks"]
+        nbytes = r["bytes_per_rank"] * (n if r["op"] == "all_gather" else 1)
+        rows.append(Row(name, r["op"], "staged", None, nbytes, n, r["us_per_op"]))
+  return rows
+
+
+def load_lax_device_times(results: dict[str, dict]) -> list[Row]:
+  """jax.lax's device time per op (chained inside one jit) from runs on GPUs of their own."""
+  return [Row(name, r["op"], "jax.lax", None, r["bytes_per_device"], group_size(result),
+              r["device_time_us"])
+          for name, result in results.items() if "collectives" in result
+          for r in result.get("device_latency", []) if r.get("impl") == "jax.lax"]
+
+
+def fit_staged(chains: list[Row], p: cm.Params) -> cm.Params:
+  """staged_alpha_us: the mean over two-rank chains of what their local terms leave (on one
+  GPU no flag crosses a link: the pushes and the sum are local copies)."""
+  two = [r for r in chains if r.n == 2]
+  if not two:
+    return p
+  def local(r):
+    return sum((e.link_bytes + e.sum_bytes) / p.sum_gbps / 1e3
+               for e in cm.exchanges(r.op, "one_shot" if r.op == "psum" else None, r.nbytes, r.n))
+  return dataclasses.replace(p, staged_alpha_us=float(np.mean([r.measured_us - local(r)
+                                                              for r in two])))
+
+
+def staged_projection(p: cm.Params, lax: list[Row]) -> str:
+  """Markdown: the staged path's projected device time per call on two GPUs against jax.lax's
+  measured one, at every size jax.lax was measured up to 1 MiB."""
+  lines = ["| jax.lax from | op | size | staged, projected us | jax.lax, measured us | "
+           "projected / jax.lax |", "|---|---|---|---|---|---|"]
+  for r in sorted(lax, key=lambda r: (cm.OPS.index(r.op), r.nbytes, r.source)):
+    if r.n == 2 and r.nbytes <= MIB:
+      ours = cm.staged_us(r.op, r.nbytes, r.n, p)
+      lines.append(f"| {r.source} | {r.op} | {size(r.nbytes)} | {ours:.1f} | "
+                   f"{r.measured_us:.1f} | {ours / r.measured_us:.2f} |")
+  return "\n".join(lines)
+
+
 def predict(rows: list[Row], p: cm.Params) -> list[Row]:
   for r in rows:
     if r.impl == "jax_hoccl":
@@ -134,6 +186,7 @@ def params_text(p: cm.Params) -> str:
       f"fitted: link_gbps={p.link_gbps:.1f}  sum_gbps={p.sum_gbps:.0f}  "
       f"engine_gbps={p.engine_gbps:.1f}  engine_alpha_us={p.engine_alpha_us:.2f}",
       f"fitted: XLA alpha/busbw: {xla}",
+      f"fitted: staged_alpha_us={p.staged_alpha_us:.2f} (chains of staged calls, one GPU)",
       f"fixed:  hop_us={p.hop_us}  copy_issue_us={p.copy_issue_us}  engines={p.engines}",
       f"assumed (several nodes): gpus_per_node={p.gpus_per_node}  nic_gbps={p.nic_gbps}  "
       f"nic_latency_us={p.nic_latency_us}"])
@@ -196,11 +249,16 @@ def crossovers(p: cm.Params, ns=(2, 4, 8)) -> str:
 
 def report(results: dict[str, dict], min_bytes: int = MIB) -> str:
   rows = load(results)
-  p = fit(rows, min_bytes)
+  p = fit_staged(load_chains(results), fit(rows, min_bytes))
   predict(rows, p)
-  return "\n\n".join([params_text(p), fit_table(rows, min_bytes), summary(rows, min_bytes),
-                      crossovers(p), "Projection (" + projection_note(p) + "):\n"
-                      + projection(p)])
+  parts = [params_text(p), fit_table(rows, min_bytes), summary(rows, min_bytes), crossovers(p)]
+  lax = load_lax_device_times(results)
+  if lax:
+    parts.append("The staged path on two GPUs (projected: staged_alpha_us from one GPU, one "
+                 f"flag hop of {p.hop_us} us, the links' bandwidth) against jax.lax:\n"
+                 + staged_projection(p, lax))
+  parts.append("Projection (" + projection_note(p) + "):\n" + projection(p))
+  return "\n\n".join(parts)
 
 
 def projection_note(p: cm.Params) -> str:
