@@ -422,14 +422,23 @@ STAGED_WORKER = PRELUDE + textwrap.dedent("""
     loop = fn(lambda v: jax.lax.fori_loop(0, 37, lambda i, a: jax_hoccl.ppermute(a, "tp", shift) + 1, v))
     got = mine(loop(shard(x)))
     assert np.allclose(got, (me - 37) % n + 1 + 37), got[0, :4]
-    # an async pair (zero copy) around a staged sync call
+    # async pairs around a staged sync call on XLA's stream (lane 0): zero copy, or staged on
+    # an async stream's lane with JAX_HOCCL_STAGED_LANES=1
     def pair(v):
         pending = jax_hoccl.psum_start(v, "tp")
+        later = jax_hoccl.all_gather_start(v * 3, "tp", tiled=True)
         w = jax_hoccl.all_gather(pending.after_start(v) * 2, "tp", tiled=True)
         out, w = jax_hoccl.done(pending, w)
-        return out, w
-    out, w = jax.jit(jax.shard_map(pair, mesh=mesh, in_specs=spec, out_specs=(spec, spec)))(shard(x))
+        return out, w, jax_hoccl.done(later)[0]
+    calls = lambda: {lane: e for _, lane, e, _ in _hoccl.staged_lanes()}
+    before = calls()
+    out, w, g = jax.jit(jax.shard_map(pair, mesh=mesh, in_specs=spec,
+                                      out_specs=(spec, spec, spec)))(shard(x))
     assert np.allclose(mine(out), sum(range(1, n + 1))) and mine(w).shape == (n * n, 32)
+    assert np.allclose(mine(g), np.repeat(3.0 * np.arange(1, n + 1), n)[:, None]), mine(g)[:, 0]
+    grew = {lane for lane, e in calls().items() if e > before.get(lane, 0)}
+    lanes_on = os.environ.get("JAX_HOCCL_STAGED_LANES") == "1"
+    assert 0 in grew and bool(grew - {0}) == lanes_on, (before, calls())
     print("OK staged loop and lanes", flush=True)
 
     f = fn(lambda v: jax_hoccl.psum(v, "tp") / n)
@@ -545,9 +554,12 @@ def test_two_processes_on_one_gpu_without_preallocation(tmp_path):
   assert max(maps) > 2, maps  # more than the one pool and the flags: several allocations
 
 
+@pytest.mark.parametrize("starts", ["zero_copy_starts", "staged_starts"])
 @pytest.mark.parametrize("n", [2, 4])
-def test_staged_path_under_mps(tmp_path, n):
-  env = {"JAX_HOCCL_TIMEOUT_S": "60", "JAX_HOCCL_STAGED_BYTES": "4096"}
+def test_staged_path_under_mps(tmp_path, n, starts):
+  """staged_starts: JAX_HOCCL_STAGED_LANES=1, async starts staged on their lanes too."""
+  env = {"JAX_HOCCL_TIMEOUT_S": "60", "JAX_HOCCL_STAGED_BYTES": "4096",
+         "JAX_HOCCL_STAGED_LANES": "1" if starts == "staged_starts" else "0"}
   with mps_daemon() as mps:
     outs = _run(tmp_path, STAGED_WORKER, timeout=300, env={**env, **mps}, n=n)
   for out in outs:
@@ -605,8 +617,13 @@ def test_peer_that_never_calls(tmp_path):
   assert "jax_hoccl psum (all_gather)" in out and "rank 1 (device" in out, out[-3000:]
 
 
-def test_peer_that_never_calls_the_flagged_gemm_op(tmp_path):
-  out = _run(tmp_path, FAILURE_WORKER, 120, {"MODE": "absent_fused", "JAX_HOCCL_TIMEOUT_S": "5"})[0]
+@pytest.mark.parametrize("starts", ["zero_copy_starts", "staged_starts"])
+def test_peer_that_never_calls_the_flagged_gemm_op(tmp_path, starts):
+  """staged_starts: the fused op's pipeline of async starts waits on the GPU (lanes 1..), its
+  handler thread behind them in the row GEMMs' tuning; the watchdog ends it all the same."""
+  env = {"MODE": "absent_fused", "JAX_HOCCL_TIMEOUT_S": "5",
+         "JAX_HOCCL_STAGED_LANES": "1" if starts == "staged_starts" else "0"}
+  out = _run(tmp_path, FAILURE_WORKER, 120, env)[0]
   assert "ERROR after" in out and "timed out after 5 s" in out, out[-3000:]
   assert "jax_hoccl matmul_reduce_scatter" in out and "rank 1 (device" in out, out[-3000:]
 

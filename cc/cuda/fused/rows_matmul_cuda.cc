@@ -16,6 +16,7 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -24,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -39,6 +41,17 @@ namespace ffi = xla::ffi;
 
 namespace hoccl {
 namespace {
+
+// Waits for `ev` by polling: the stream may wait behind a staged exchange that a missing peer
+// holds up until the watchdog ends it, and this thread stays out of CUDA's blocking wait
+// meanwhile (docs/design.md, "Only XLA's stream").
+bool EventDone(cudaEvent_t ev) {
+  for (;;) {
+    const cudaError_t e = cudaEventQuery(ev);
+    if (e != cudaErrorNotReady) return e == cudaSuccess;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
 
 // ---- the slice of cuBLASLt's C API used here (values from its public header)
 using LtStatus = int;                 // cublasStatus_t, 0 = success
@@ -181,8 +194,7 @@ void TuneOnce(Plan* plan, Run& run, cudaStream_t stream, int64_t rows, int64_t k
     if (run(algo) != 0) continue;  // warm-up; a candidate that fails is skipped
     bool ok = cudaEventRecord(ev[0], stream) == cudaSuccess;
     for (int r = 0; r < kRuns && ok; ++r) ok = run(algo) == 0;
-    ok = ok && cudaEventRecord(ev[1], stream) == cudaSuccess &&
-         cudaEventSynchronize(ev[1]) == cudaSuccess;
+    ok = ok && cudaEventRecord(ev[1], stream) == cudaSuccess && EventDone(ev[1]);
     float ms = 0;
     if (!ok || cudaEventElapsedTime(&ms, ev[0], ev[1]) != cudaSuccess) {
       cudaGetLastError();

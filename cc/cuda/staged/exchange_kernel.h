@@ -31,6 +31,9 @@ struct StagedHostWords {
   volatile uint64_t stall_expected;
   volatile int32_t stall_sender;
   volatile int32_t stall_tag;  // the call's entry in the captured calls' names
+  // The broken word where the watchdog must end waits without a CUDA call of its own
+  // (JAX_HOCCL_STAGED_LANES=1: staged_exchange.h, StagedLanesOn).
+  volatile uint32_t broken;
 };
 
 // Where every rank's staged region lies (cuda/staged/staged_layout.h computes the same): a
@@ -61,8 +64,8 @@ struct StagedKernelArgs {
   int tag;          // a captured call's entry in the names of captured calls
   uint64_t progress_value;
   unsigned int* ctas_done;  // device counter of this lane: the last CTA reports progress
-  // Device memory the watchdog sets when it gives up on the group: waits end at once (the
-  // results are not valid). In device memory, not mapped host memory: every CTA reads it.
+  // The word the watchdog sets when it gives up on the group: waits end at once (the results
+  // are not valid). In device memory (every CTA reads it), or StagedHostWords::broken.
   volatile unsigned int* broken;
   StagedHostWords* host;  // its device address
   StagedKernelLayout layout;

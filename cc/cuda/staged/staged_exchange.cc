@@ -102,7 +102,7 @@ std::string KernelExchange(const RankState& st, const Call& c) {
   a.progress_value = c.captured ? 0 : c.call + 1;
   char* mine = st.peer_base[r];
   a.ctas_done = CtasDone(mine, n, c.lane);
-  a.broken = BrokenWord(mine, n);
+  a.broken = StagedLanesOn() ? &st.host_words_device->broken : BrokenWord(mine, n);
   a.host = st.host_words_device;
   a.layout = st.kernel_layout;
   HostTimer launch("api: exchange kernel");
@@ -167,6 +167,11 @@ std::string CopyCallExchange(const RankState& st, const Call& c) {
 
 bool StagedKernelOn() {
   static const bool on = EnvInt("JAX_HOCCL_STAGED_KERNEL", 1, 0) != 0;
+  return on;
+}
+
+bool StagedLanesOn() {
+  static const bool on = EnvInt("JAX_HOCCL_STAGED_LANES", 0, 0) != 0;
   return on;
 }
 

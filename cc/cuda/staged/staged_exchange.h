@@ -34,6 +34,13 @@ std::string DescribeStagedFlag(uint64_t value);
 // (the benchmarks' comparison). The same on every rank: set it for the whole job.
 bool StagedKernelOn();
 
+// Whether async starts (lanes 1..kMaxAsyncLanes) take the staged path too: only with
+// JAX_HOCCL_STAGED_LANES=1, while that path is proven on GPUs (docs/design.md, "Only XLA's
+// stream"). With it, the exchange kernel's broken word is mapped host memory and the watchdog
+// judges a kernel's wait from its stall reports: it ends waits without a CUDA call, which a
+// handler thread waiting on the host behind the very wait could hold up.
+bool StagedLanesOn();
+
 // How many staged calls ran under stream capture (recorded into a CUDA graph) so far.
 uint64_t StagedCapturedCalls();
 

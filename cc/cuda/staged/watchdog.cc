@@ -61,6 +61,12 @@ cudaStream_t StreamFor(int device) {
 
 // Each peer's ready flag of a lane's slot set, as one value: one naming another call if any of
 // its CTAs' flags does, else `expected` if any is raised, else 0.
+// Whether this group's waits are the exchange kernel's, judged from its stall reports and
+// ended through the mapped broken word, with no CUDA call (staged_exchange.h, StagedLanesOn).
+bool HostVerdicts(const Watched& w) {
+  return StagedLanesOn() && StagedKernelOn() && w.comm->size() <= kKernelMaxRanks;
+}
+
 std::string ReadFlags(const Watched& w, int lane, int parity, uint64_t expected,
                       std::vector<uint64_t>* flags) {
   const int n = w.comm->size();
@@ -92,6 +98,10 @@ void EnqueueBroken(const Watched& w, cudaStream_t s) {
 }
 
 void SetBroken(const Watched& w) {
+  if (HostVerdicts(w)) {
+    w.st->host_words->broken = 1;
+    return;
+  }
   if (cudaSetDevice(w.st->device) != cudaSuccess) return;
   cudaStream_t s = StreamFor(w.st->device);
   if (!s) return;
@@ -104,6 +114,10 @@ void SetBroken(const Watched& w) {
 // that call and the calls behind it pass one by one (the group is broken, so no new call is
 // enqueued).
 void Release(const Watched& w, int lane, uint64_t call) {
+  if (HostVerdicts(w)) {  // every kernel, running or queued, ends its waits by itself
+    w.st->host_words->broken = 1;
+    return;
+  }
   const int n = w.comm->size();
   const int parity = static_cast<int>(call & 1);
   std::vector<uint64_t> values(kChunkFlags,
@@ -164,6 +178,31 @@ void Fire(Watched& w, int lane, uint64_t call, const std::string& why) {
   Fire(w, lane, w.st->staged[lane].names[call % StagedLaneState::kNamed], why);
 }
 
+// A lane's stuck call judged from the kernels' stall reports (HostVerdicts): the sender a
+// kernel waits on and what its flag holds, written to mapped host memory.
+void JudgeFromReports(Watched& w, int lane, uint64_t call, double seconds) {
+  const StagedHostWords& h = *w.st->host_words;
+  const int n = w.comm->size();
+  const int q = (w.rank + 1 + h.stall_sender) % n;
+  const uint64_t seen = h.stall_seen, expected = h.stall_expected;
+  std::string why;
+  if (w.stalled && seen && seen != expected) {
+    why = "mismatched collectives: " + Who(*w.comm, {q}) + " is in " + DescribeStagedFlag(seen) +
+          " at the same point, this rank in " + DescribeStagedFlag(expected);
+  } else if (w.stalled && Exited(PeerPid(*w.comm, q))) {
+    why = "lost its peer(s) while waiting on the GPU: the process of " + Who(*w.comm, {q}) +
+          " exited";
+  } else if (seconds >= TimeoutSeconds()) {
+    why = "timed out after " + std::to_string(static_cast<int>(TimeoutSeconds())) +
+          " s (JAX_HOCCL_TIMEOUT_S) waiting on the GPU for " +
+          (w.stalled ? Who(*w.comm, {q}) : std::string("its peers")) +
+          " to reach this call; every peer must call the same collectives in the same order";
+  }
+  if (why.empty()) return;
+  Fire(w, lane, call, why);
+  SetBroken(w);
+}
+
 void Check(Watched& w, int lane, Clock::time_point now) {
   LaneWatch& lw = w.lanes[lane];
   const uint64_t enqueued = w.st->staged[lane].enqueued.load(std::memory_order_acquire);
@@ -185,6 +224,10 @@ void Check(Watched& w, int lane, Clock::time_point now) {
     HOCCL_TRACE("watchdog: rank %d lane %d stands at call %llu of %llu for %.1f s\n", w.rank, lane,
                 static_cast<unsigned long long>(done), static_cast<unsigned long long>(enqueued),
                 seconds);
+    if (HostVerdicts(w)) {
+      JudgeFromReports(w, lane, done, seconds);
+      return;
+    }
     std::vector<uint64_t> flags;
     if (ReadFlags(w, lane, static_cast<int>(done & 1), expected, &flags).empty()) {
       for (int q = 0; q < w.comm->size(); ++q) {
