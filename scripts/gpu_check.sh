@@ -81,6 +81,8 @@ if [ "$NGPU" -lt 2 ] && [ "$QUICK" = --gemm-only ]; then
   # one GPU: ranks share it under MPS (per call; the fused ops with the SMs split)
   echo "== per call across processes, 2 and 4 ranks under MPS"
   timeout 300 $PY -m jax_hoccl.bench --processes --out benchmarks/results 2>&1 | tee "$OUTDIR/per_call.log" | tail -20
+  echo "== steps of small layers and decode across processes, 2 and 4 ranks under MPS"
+  timeout 300 $PY -m jax_hoccl.bench --steps --out benchmarks/results 2>&1 | tee "$OUTDIR/steps.log" | grep -E "^(step|chain|decode)"
   echo "== the fused ops' overlap, 2 ranks under MPS with the SMs split"
   timeout 400 $PY -m jax_hoccl.bench --overlap --out benchmarks/results 2>&1 | tee "$OUTDIR/overlap.log" | tail -10
 fi
