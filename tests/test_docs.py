@@ -1,4 +1,6 @@
-"""docs/development.md's layout names files that exist."""
+"""docs/development.md's layout names files that exist; every environment variable the code
+reads is one jax_hoccl knows and docs/supported.md names. (Run on the checkout by
+scripts/run_tests.sh: Bazel's copy of the tests holds neither docs/ nor cc/.)"""
 import pathlib
 import re
 
@@ -41,3 +43,23 @@ def test_layout_names_existing_files():
   unnamed = [str(f.relative_to(ROOT)) for f in (ROOT / "cc").rglob("*")
              if f.is_file() and str(f.relative_to(ROOT)) not in paths]
   assert not unnamed, f"docs/development.md's layout leaves out {unnamed}"
+
+
+@pytest.mark.skipif(not (ROOT / "cc").exists(), reason="needs the checkout (not Bazel's copy)")
+def test_every_variable_the_code_reads_is_known_and_documented():
+  """A JAX_HOCCL_* variable read anywhere in cc/ or src/ is one environment.check knows (else
+  setting it would warn that it does nothing) and one docs/supported.md names."""
+  from jax_hoccl._src import environment
+  read = set()
+  for top in ("cc", "src"):
+    for path in (ROOT / top).rglob("*"):
+      if path.suffix in (".cc", ".h", ".cu", ".py"):
+        read |= set(re.findall(r'(?:Env\w*\(|getenv\(|environ\[|environ\.get\()"'
+                               r'(JAX_HOCCL_[A-Z0-9_]+)"', path.read_text()))
+  assert {"JAX_HOCCL_STAGED_KERNEL", "JAX_HOCCL_STAGED_LANES", "JAX_HOCCL_TIMEOUT_S"} <= read
+  assert read - set(environment.VARIABLES) == set()
+  supported = (ROOT / "docs" / "supported.md").read_text()
+  scripts_only = {"JAX_HOCCL_PYTHON", "JAX_HOCCL_BOOTSTRAP_PYTHON", "JAX_HOCCL_COMMIT",
+                  "JAX_HOCCL_JOB_SECRET", "JAX_HOCCL_FAILURE_LOG", "JAX_HOCCL_LAUNCH",
+                  "JAX_HOCCL_NODE"}
+  assert {v for v in read - scripts_only if f"`{v}`" not in supported} == set()

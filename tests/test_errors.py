@@ -355,29 +355,6 @@ def test_malformed_environment_variables_fail_naming_them():
   environment.check()  # the suite's own environment is valid
 
 
-def test_every_variable_the_code_reads_is_known_and_documented():
-  """A JAX_HOCCL_* variable read anywhere in cc/ or src/ is one environment.check knows (else
-  setting it would warn that it does nothing) and one docs/supported.md names."""
-  import re
-  from jax_hoccl._src import environment
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  read = set()
-  for top in ("cc", "src"):
-    for root, _, files in os.walk(os.path.join(repo, top)):
-      for f in files:
-        if f.endswith((".cc", ".h", ".cu", ".py")):
-          text = open(os.path.join(root, f)).read()
-          read |= set(re.findall(r'(?:Env\w*\(|getenv\(|environ\[|environ\.get\()"'
-                                 r'(JAX_HOCCL_[A-Z0-9_]+)"', text))
-  assert {"JAX_HOCCL_STAGED_KERNEL", "JAX_HOCCL_TIMEOUT_S"} <= read, read
-  assert read - set(environment.VARIABLES) == set()
-  supported = open(os.path.join(repo, "docs/supported.md")).read()
-  scripts_only = {"JAX_HOCCL_PYTHON", "JAX_HOCCL_BOOTSTRAP_PYTHON", "JAX_HOCCL_COMMIT",
-                  "JAX_HOCCL_JOB_SECRET", "JAX_HOCCL_FAILURE_LOG", "JAX_HOCCL_LAUNCH",
-                  "JAX_HOCCL_NODE"}
-  assert {v for v in read - scripts_only if f"`{v}`" not in supported} == set()
-
-
 @pytest.mark.parametrize("name,raw", [("JAX_HOCCL_CHUNKS", "100"), ("JAX_HOCCL_CHANNELS", "99"),
                                       ("JAX_HOCCL_ASYNC_STREAMS", "9")])
 def test_out_of_range_variables_fail_at_the_first_lowering(name, raw):
