@@ -59,14 +59,14 @@ cudaStream_t StreamFor(int device) {
   return s;
 }
 
-// Each peer's ready flag of a lane's slot set, as one value: one naming another call if any of
-// its CTAs' flags does, else `expected` if any is raised, else 0.
 // Whether this group's waits are the exchange kernel's, judged from its stall reports and
 // ended through the mapped broken word, with no CUDA call (staged_exchange.h, StagedLanesOn).
 bool HostVerdicts(const Watched& w) {
   return StagedLanesOn() && StagedKernelOn() && w.comm->size() <= kKernelMaxRanks;
 }
 
+// Each peer's ready flag of a lane's slot set, as one value: one naming another call if any of
+// its CTAs' flags does, else `expected` if any is raised, else 0.
 std::string ReadFlags(const Watched& w, int lane, int parity, uint64_t expected,
                       std::vector<uint64_t>* flags) {
   const int n = w.comm->size();
@@ -178,26 +178,31 @@ void Fire(Watched& w, int lane, uint64_t call, const std::string& why) {
   Fire(w, lane, w.st->staged[lane].names[call % StagedLaneState::kNamed], why);
 }
 
-// A lane's stuck call judged from the kernels' stall reports (HostVerdicts): the sender a
-// kernel waits on and what its flag holds, written to mapped host memory.
-void JudgeFromReports(Watched& w, int lane, uint64_t call, double seconds) {
+// The verdict on a kernel's wait from its stall reports (StagedHostWords: the sender it waits
+// on, what that flag holds), or "" while there is none yet. `reported`: a kernel reported
+// lately (else only the timeout can be judged); `where` is "" or " inside a CUDA graph".
+std::string StallVerdict(const Watched& w, bool reported, double seconds, const char* where) {
   const StagedHostWords& h = *w.st->host_words;
-  const int n = w.comm->size();
-  const int q = (w.rank + 1 + h.stall_sender) % n;
+  const int q = (w.rank + 1 + h.stall_sender) % w.comm->size();
   const uint64_t seen = h.stall_seen, expected = h.stall_expected;
-  std::string why;
-  if (w.stalled && seen && seen != expected) {
-    why = "mismatched collectives: " + Who(*w.comm, {q}) + " is in " + DescribeStagedFlag(seen) +
-          " at the same point, this rank in " + DescribeStagedFlag(expected);
-  } else if (w.stalled && Exited(PeerPid(*w.comm, q))) {
-    why = "lost its peer(s) while waiting on the GPU: the process of " + Who(*w.comm, {q}) +
-          " exited";
-  } else if (seconds >= TimeoutSeconds()) {
-    why = "timed out after " + std::to_string(static_cast<int>(TimeoutSeconds())) +
-          " s (JAX_HOCCL_TIMEOUT_S) waiting on the GPU for " +
-          (w.stalled ? Who(*w.comm, {q}) : std::string("its peers")) +
-          " to reach this call; every peer must call the same collectives in the same order";
-  }
+  if (reported && seen && seen != expected)
+    return std::string("mismatched collectives") + where + ": " + Who(*w.comm, {q}) + " is in " +
+           DescribeStagedFlag(seen) + " at the same point, this rank in " +
+           DescribeStagedFlag(expected);
+  if (reported && Exited(PeerPid(*w.comm, q)))
+    return std::string("lost its peer(s) while waiting on the GPU") + where + ": the process of " +
+           Who(*w.comm, {q}) + " exited";
+  if (seconds >= TimeoutSeconds())
+    return "timed out after " + std::to_string(static_cast<int>(TimeoutSeconds())) +
+           " s (JAX_HOCCL_TIMEOUT_S) waiting on the GPU" + where + " for " +
+           (reported ? Who(*w.comm, {q}) : std::string("its peers")) +
+           " to reach this call; every peer must call the same collectives in the same order";
+  return "";
+}
+
+// A lane's stuck call judged from the kernels' stall reports (HostVerdicts).
+void JudgeFromReports(Watched& w, int lane, uint64_t call, double seconds) {
+  const std::string why = StallVerdict(w, w.stalled, seconds, "");
   if (why.empty()) return;
   Fire(w, lane, call, why);
   SetBroken(w);
@@ -280,29 +285,10 @@ void CheckStall(Watched& w, Clock::time_point now) {
   }
   const int tag = h.stall_tag;
   if (w.fired || tag < 0 || tag >= RankState::kCapturedNames) return;
-  const int n = w.comm->size();
-  const int q = (w.rank + 1 + h.stall_sender) % n;
-  const uint64_t seen = h.stall_seen, expected = h.stall_expected;
-  const char* name = w.st->captured_names[tag];
   const double seconds = std::chrono::duration<double>(now - w.stall_since).count();
-  if (seen && seen != expected) {
-    Fire(w, 0, name,
-         "mismatched collectives inside a CUDA graph: " + Who(*w.comm, {q}) + " is in " +
-             DescribeStagedFlag(seen) + " at the same point, this rank in " +
-             DescribeStagedFlag(expected));
-  } else if (Exited(PeerPid(*w.comm, q))) {
-    Fire(w, 0, name,
-         "lost its peer(s) while waiting on the GPU inside a CUDA graph: the process of " +
-             Who(*w.comm, {q}) + " exited");
-  } else if (seconds >= TimeoutSeconds()) {
-    Fire(w, 0, name,
-         "timed out after " + std::to_string(static_cast<int>(TimeoutSeconds())) +
-             " s (JAX_HOCCL_TIMEOUT_S) waiting on the GPU inside a CUDA graph for " +
-             Who(*w.comm, {q}) +
-             " to reach this call; every peer must call the same collectives in the same order");
-  } else {
-    return;
-  }
+  const std::string why = StallVerdict(w, true, seconds, " inside a CUDA graph");
+  if (why.empty()) return;
+  Fire(w, 0, w.st->captured_names[tag], why);
   SetBroken(w);
 }
 

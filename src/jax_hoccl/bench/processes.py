@@ -50,7 +50,7 @@ ROUNDS, CALLS = paired.ROUNDS, paired.CALLS  # paired rounds per row, calls per 
 CAPTURED_FLAG = "--xla_gpu_graph_min_graph_size=1"
 
 WORKER = textwrap.dedent("""
-    import json, os, sys, time
+    import json, os, sys
     addr, me, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     import jax
     kw = {"local_device_ids": [0]} if os.environ.get("BENCH_GPU") else {}
