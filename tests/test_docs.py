@@ -56,7 +56,7 @@ def test_every_variable_the_code_reads_is_known_and_documented():
       if path.suffix in (".cc", ".h", ".cu", ".py"):
         read |= set(re.findall(r'(?:Env\w*\(|getenv\(|environ\[|environ\.get\()"'
                                r'(JAX_HOCCL_[A-Z0-9_]+)"', path.read_text()))
-  assert {"JAX_HOCCL_STAGED_KERNEL", "JAX_HOCCL_STAGED_LANES", "JAX_HOCCL_TIMEOUT_S"} <= read
+  assert {"JAX_HOCCL_STAGED_KERNEL", "JAX_HOCCL_STAGED_BYTES", "JAX_HOCCL_TIMEOUT_S"} <= read
   assert read - set(environment.VARIABLES) == set()
   supported = (ROOT / "docs" / "supported.md").read_text()
   scripts_only = {"JAX_HOCCL_PYTHON", "JAX_HOCCL_BOOTSTRAP_PYTHON", "JAX_HOCCL_COMMIT",

@@ -422,8 +422,8 @@ STAGED_WORKER = PRELUDE + textwrap.dedent("""
     loop = fn(lambda v: jax.lax.fori_loop(0, 37, lambda i, a: jax_hoccl.ppermute(a, "tp", shift) + 1, v))
     got = mine(loop(shard(x)))
     assert np.allclose(got, (me - 37) % n + 1 + 37), got[0, :4]
-    # async pairs around a staged sync call on XLA's stream (lane 0): zero copy, or staged on
-    # an async stream's lane with JAX_HOCCL_STAGED_LANES=1
+    # async pairs around a staged sync call on XLA's stream (lane 0): staged on an async
+    # stream's lane where the exchange kernel serves, else zero copy
     def pair(v):
         pending = jax_hoccl.psum_start(v, "tp")
         later = jax_hoccl.all_gather_start(v * 3, "tp", tiled=True)
@@ -437,7 +437,7 @@ STAGED_WORKER = PRELUDE + textwrap.dedent("""
     assert np.allclose(mine(out), sum(range(1, n + 1))) and mine(w).shape == (n * n, 32)
     assert np.allclose(mine(g), np.repeat(3.0 * np.arange(1, n + 1), n)[:, None]), mine(g)[:, 0]
     grew = {lane for lane, e in calls().items() if e > before.get(lane, 0)}
-    lanes_on = os.environ.get("JAX_HOCCL_STAGED_LANES") == "1"
+    lanes_on = os.environ.get("JAX_HOCCL_STAGED_KERNEL", "1") != "0"
     assert 0 in grew and bool(grew - {0}) == lanes_on, (before, calls())
     print("OK staged loop and lanes", flush=True)
 
@@ -554,12 +554,13 @@ def test_two_processes_on_one_gpu_without_preallocation(tmp_path):
   assert max(maps) > 2, maps  # more than the one pool and the flags: several allocations
 
 
-@pytest.mark.parametrize("starts", ["zero_copy_starts", "staged_starts"])
+@pytest.mark.parametrize("mover", ["exchange_kernel", "copy_calls"])
 @pytest.mark.parametrize("n", [2, 4])
-def test_staged_path_under_mps(tmp_path, n, starts):
-  """staged_starts: JAX_HOCCL_STAGED_LANES=1, async starts staged on their lanes too."""
+def test_staged_path_under_mps(tmp_path, n, mover):
+  """exchange_kernel: async starts staged on their lanes too; copy_calls
+  (JAX_HOCCL_STAGED_KERNEL=0): staged on XLA's stream only, async starts zero copy."""
   env = {"JAX_HOCCL_TIMEOUT_S": "60", "JAX_HOCCL_STAGED_BYTES": "4096",
-         "JAX_HOCCL_STAGED_LANES": "1" if starts == "staged_starts" else "0"}
+         "JAX_HOCCL_STAGED_KERNEL": "1" if mover == "exchange_kernel" else "0"}
   with mps_daemon() as mps:
     outs = _run(tmp_path, STAGED_WORKER, timeout=300, env={**env, **mps}, n=n)
   for out in outs:
@@ -617,12 +618,13 @@ def test_peer_that_never_calls(tmp_path):
   assert "jax_hoccl psum (all_gather)" in out and "rank 1 (device" in out, out[-3000:]
 
 
-@pytest.mark.parametrize("starts", ["zero_copy_starts", "staged_starts"])
-def test_peer_that_never_calls_the_flagged_gemm_op(tmp_path, starts):
-  """staged_starts: the fused op's pipeline of async starts waits on the GPU (lanes 1..), its
-  handler thread behind them in the row GEMMs' tuning; the watchdog ends it all the same."""
+@pytest.mark.parametrize("mover", ["exchange_kernel", "copy_calls"])
+def test_peer_that_never_calls_the_flagged_gemm_op(tmp_path, mover):
+  """exchange_kernel: the fused op's pipeline of staged async starts waits on the GPU (lanes
+  1..), its handler thread behind them in the row GEMMs' tuning; the watchdog ends it all the
+  same. copy_calls: the starts are zero copy and meet on the host."""
   env = {"MODE": "absent_fused", "JAX_HOCCL_TIMEOUT_S": "5",
-         "JAX_HOCCL_STAGED_LANES": "1" if starts == "staged_starts" else "0"}
+         "JAX_HOCCL_STAGED_KERNEL": "1" if mover == "exchange_kernel" else "0"}
   out = _run(tmp_path, FAILURE_WORKER, 120, env)[0]
   assert "ERROR after" in out and "timed out after 5 s" in out, out[-3000:]
   assert "jax_hoccl matmul_reduce_scatter" in out and "rank 1 (device" in out, out[-3000:]

@@ -268,9 +268,11 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
     return {k, Prefix(spec, op, device) + err};
   }
   RankState& st = *rs;
-  // Async starts keep the zero-copy path unless JAX_HOCCL_STAGED_LANES=1 (staged_exchange.h);
-  // announced rows (a flagged GEMM waits for each chunk's flag) always do.
-  if (!announce && (lane == 0 || StagedLanesOn()) && st.progress && StagedEligible(spec))
+  // Async starts are staged where the exchange kernel serves (staged_exchange.h), else they
+  // keep the zero-copy path; announced rows (a flagged GEMM waits for each chunk's flag)
+  // always do.
+  if (!announce && (lane == 0 || StagedKernelServes(spec.group_size)) && st.progress &&
+      StagedEligible(spec))
     return RunStaged(comm, st, spec, stream, capturing, input, output, lane, op);
   if (capturing)
     return {ErrorKind::kInternal,

@@ -31,8 +31,8 @@ struct StagedHostWords {
   volatile uint64_t stall_expected;
   volatile int32_t stall_sender;
   volatile int32_t stall_tag;  // the call's entry in the captured calls' names
-  // The broken word where the watchdog must end waits without a CUDA call of its own
-  // (JAX_HOCCL_STAGED_LANES=1: staged_exchange.h, StagedLanesOn).
+  // The broken word: the watchdog ends the kernels' waits with it, without a CUDA call
+  // (staged_exchange.h, StagedKernelServes).
   volatile uint32_t broken;
 };
 
@@ -65,7 +65,7 @@ struct StagedKernelArgs {
   uint64_t progress_value;
   unsigned int* ctas_done;  // device counter of this lane: the last CTA reports progress
   // The word the watchdog sets when it gives up on the group: waits end at once (the results
-  // are not valid). In device memory (every CTA reads it), or StagedHostWords::broken.
+  // are not valid): StagedHostWords::broken.
   volatile unsigned int* broken;
   StagedHostWords* host;  // its device address
   StagedKernelLayout layout;

@@ -102,7 +102,7 @@ std::string KernelExchange(const RankState& st, const Call& c) {
   a.progress_value = c.captured ? 0 : c.call + 1;
   char* mine = st.peer_base[r];
   a.ctas_done = CtasDone(mine, n, c.lane);
-  a.broken = StagedLanesOn() ? &st.host_words_device->broken : BrokenWord(mine, n);
+  a.broken = &st.host_words_device->broken;
   a.host = st.host_words_device;
   a.layout = st.kernel_layout;
   HostTimer launch("api: exchange kernel");
@@ -165,14 +165,9 @@ std::string CopyCallExchange(const RankState& st, const Call& c) {
 
 }  // namespace
 
-bool StagedKernelOn() {
+bool StagedKernelServes(int n) {
   static const bool on = EnvInt("JAX_HOCCL_STAGED_KERNEL", 1, 0) != 0;
-  return on;
-}
-
-bool StagedLanesOn() {
-  static const bool on = EnvInt("JAX_HOCCL_STAGED_LANES", 0, 0) != 0;
-  return on;
+  return on && n <= kKernelMaxRanks;
 }
 
 uint64_t StagedCapturedCalls() { return g_captured_calls.load(); }
@@ -252,8 +247,7 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
                lane,
                call,
                tag};
-  const std::string err =
-      n <= kKernelMaxRanks && StagedKernelOn() ? KernelExchange(st, c) : CopyCallExchange(st, c);
+  const std::string err = StagedKernelServes(n) ? KernelExchange(st, c) : CopyCallExchange(st, c);
   if (captured) {
     g_captured_calls.fetch_add(1);
   } else {  // counted even after an error: the watchdog sees through what was enqueued

@@ -29,17 +29,13 @@ uint64_t StagedFlagValue(const OpSpec& spec);
 // "all_gather of 4096 bytes" for a value StagedFlagValue made.
 std::string DescribeStagedFlag(uint64_t value);
 
-// Whether a call takes the exchange kernel (exchange_kernel.h) rather than copy calls and
-// stream memory operations: yes for groups the kernel serves, unless JAX_HOCCL_STAGED_KERNEL=0
-// (the benchmarks' comparison). The same on every rank: set it for the whole job.
-bool StagedKernelOn();
-
-// Whether async starts (lanes 1..kMaxAsyncLanes) take the staged path too: only with
-// JAX_HOCCL_STAGED_LANES=1, while that path is proven on GPUs (docs/design.md, "Only XLA's
-// stream"). With it, the exchange kernel's broken word is mapped host memory and the watchdog
-// judges a kernel's wait from its stall reports: it ends waits without a CUDA call, which a
-// handler thread waiting on the host behind the very wait could hold up.
-bool StagedLanesOn();
+// Whether a group of n ranks takes the exchange kernel (exchange_kernel.h) rather than copy
+// calls and stream memory operations: yes up to kKernelMaxRanks, unless
+// JAX_HOCCL_STAGED_KERNEL=0 (the benchmarks' comparison). The same on every rank: set it for
+// the whole job. The kernel's waits end through mapped host memory, so the watchdog ends them
+// without a CUDA call (which a handler thread waiting behind the very wait could hold up):
+// async starts (lanes 1..kMaxAsyncLanes) are staged only where the kernel serves.
+bool StagedKernelServes(int n);
 
 // How many staged calls ran under stream capture (recorded into a CUDA graph) so far.
 uint64_t StagedCapturedCalls();

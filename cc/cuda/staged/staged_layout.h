@@ -31,10 +31,10 @@ constexpr int kSlotSets = kCapturedSet + 1;
 inline int SlotSet(int lane, int parity) { return lane * 2 + parity; }
 
 // Flags: kChunkFlags ready flags per sender and slot set, then as many arrival flags for the
-// captured calls, then kLanes counters and the broken word.
+// captured calls, then kLanes counters.
 inline size_t StagedFlagBytes(int n) {
   return (static_cast<size_t>(kSlotSets + 1) * n * kChunkFlags * sizeof(uint64_t) +
-          (kLanes + 1) * sizeof(unsigned int) + 255) /
+          kLanes * sizeof(unsigned int) + 255) /
          256 * 256;
 }
 
@@ -63,8 +63,6 @@ inline uint64_t* ArrivalFlag(char* base, int n, int sender) {
 inline unsigned int* CtasDone(char* base, int n, int lane) {
   return reinterpret_cast<unsigned int*>(StagedFlag(base, n, kSlotSets + 1, 0)) + lane;
 }
-// The word the watchdog sets when it gives up on the group (exchange_kernel.h).
-inline unsigned int* BrokenWord(char* base, int n) { return CtasDone(base, n, kLanes); }
 
 // The same layout as the exchange kernel reads it, for the group whose allocations (by rank)
 // are `bases` (at most kKernelMaxRanks of them).

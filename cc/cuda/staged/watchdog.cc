@@ -60,10 +60,8 @@ cudaStream_t StreamFor(int device) {
 }
 
 // Whether this group's waits are the exchange kernel's, judged from its stall reports and
-// ended through the mapped broken word, with no CUDA call (staged_exchange.h, StagedLanesOn).
-bool HostVerdicts(const Watched& w) {
-  return StagedLanesOn() && StagedKernelOn() && w.comm->size() <= kKernelMaxRanks;
-}
+// ended through the mapped broken word, with no CUDA call (staged_exchange.h).
+bool HostVerdicts(const Watched& w) { return StagedKernelServes(w.comm->size()); }
 
 // Each peer's ready flag of a lane's slot set, as one value: one naming another call if any of
 // its CTAs' flags does, else `expected` if any is raised, else 0.
@@ -89,25 +87,8 @@ std::string ReadFlags(const Watched& w, int lane, int parity, uint64_t expected,
   return "";
 }
 
-// Sets the broken word (exchange_kernel.h) on the watchdog's stream `s`: every exchange
-// kernel's wait of this rank ends.
-void EnqueueBroken(const Watched& w, cudaStream_t s) {
-  static const unsigned int one = 1;
-  cudaMemcpyAsync(BrokenWord(w.st->peer_base[w.rank], w.comm->size()), &one, sizeof(one),
-                  cudaMemcpyHostToDevice, s);
-}
-
-void SetBroken(const Watched& w) {
-  if (HostVerdicts(w)) {
-    w.st->host_words->broken = 1;
-    return;
-  }
-  if (cudaSetDevice(w.st->device) != cudaSuccess) return;
-  cudaStream_t s = StreamFor(w.st->device);
-  if (!s) return;
-  EnqueueBroken(w, s);
-  cudaStreamSynchronize(s);
-}
+// Every exchange kernel's wait of this rank ends (exchange_kernel.h: the broken word).
+void SetBroken(const Watched& w) { w.st->host_words->broken = 1; }
 
 // Ends the stuck waits myself: the exchange kernels see the broken word and stop waiting; the
 // stream memory operations' waits see every peer's flag of the stuck call raised. Either way
@@ -125,7 +106,6 @@ void Release(const Watched& w, int lane, uint64_t call) {
   if (cudaSetDevice(w.st->device) != cudaSuccess) return;
   cudaStream_t s = StreamFor(w.st->device);
   if (!s) return;
-  EnqueueBroken(w, s);
   for (int q = 0; q < n; ++q)
     if (q != w.rank)
       cudaMemcpyAsync(StagedFlag(w.st->peer_base[w.rank], n, SlotSet(lane, parity), q),
