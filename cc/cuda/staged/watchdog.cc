@@ -96,7 +96,7 @@ void SetBroken(const Watched& w) { w.st->host_words->broken = 1; }
 // enqueued).
 void Release(const Watched& w, int lane, uint64_t call) {
   if (HostVerdicts(w)) {  // every kernel, running or queued, ends its waits by itself
-    w.st->host_words->broken = 1;
+    SetBroken(w);
     return;
   }
   const int n = w.comm->size();
