@@ -27,6 +27,9 @@ std::string ValidateSpec(const OpSpec& spec) {
     return "in_place applies to a full all_gather only";
   if (spec.skip_own && (spec.op == OpKind::kPermute || spec.peers_only || spec.in_place))
     return "skip_own applies to a full all_gather or an all_to_all only";
+  if (spec.sum != SumType::kNone &&
+      (spec.op == OpKind::kPermute || spec.peers_only || spec.in_place || spec.at_source_slot))
+    return "a summed exchange is a full all_gather or an all_to_all";
   if (spec.op == OpKind::kPermute) {
     if (static_cast<int>(spec.permute_dst.size()) != n)
       return "permutation must have one entry per rank";
@@ -40,6 +43,8 @@ std::string ValidateSpec(const OpSpec& spec) {
 }
 
 size_t OutputBytes(const OpSpec& spec) {
+  if (spec.sum != SumType::kNone)  // one block
+    return spec.op == OpKind::kAllToAll ? spec.bytes / spec.group_size : spec.bytes;
   if (spec.at_source_slot) return spec.bytes * spec.group_size;
   if (spec.op != OpKind::kAllGather) return spec.bytes;
   return spec.bytes * (spec.peers_only ? spec.group_size - 1 : spec.group_size);

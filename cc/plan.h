@@ -21,6 +21,9 @@ enum class OpKind : int { kAllGather = 0, kAllToAll = 1, kPermute = 2 };
 
 const char* OpName(OpKind op);
 
+// The element type a summed exchange adds in (OpSpec::sum), float32 accumulation throughout.
+enum class SumType : int { kNone = 0, kF32 = 1, kBF16 = 2, kF16 = 3 };
+
 enum class StepKind : int {
   kSignalReady = 0,  // tell `peer` that my input is ready for it to read
   kWaitReady = 1,    // wait until `peer` said its input is ready
@@ -72,6 +75,11 @@ struct OpSpec {
   // stays unwritten); the caller takes it from its input. psum and psum_scatter sum it from
   // there: the local copy's cudaMemcpyAsync alone cost ~6 us of host time per op on H200.
   bool skip_own = false;
+  // all_gather / all_to_all on the staged path only: every rank's block for me (my own from
+  // my input) summed in rank order into one block of this type, in float32 and rounded once,
+  // inside the exchange: psum's and psum_scatter's sum without a kernel of XLA's after it
+  // (cuda/staged/exchange_kernel.h). The output is one block.
+  SumType sum = SumType::kNone;
 };
 
 // Validates the spec; returns an empty string or a message saying what is wrong.

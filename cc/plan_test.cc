@@ -344,6 +344,19 @@ void TestValidate() {
   OpSpec skip_perm{OpKind::kPermute, 4, 0, 8, {1, 2, 3, 0}};
   skip_perm.skip_own = true;
   CHECK(!hoccl::ValidateSpec(skip_perm).empty(), "skip_own ppermute accepted");
+  // A summed exchange (the staged psum / psum_scatter): one block out, full movers only.
+  OpSpec summed{OpKind::kAllGather, 4, 1, 64, {}};
+  summed.sum = hoccl::SumType::kBF16;
+  CHECK(hoccl::ValidateSpec(summed).empty() && hoccl::OutputBytes(summed) == 64, "summed gather");
+  summed.op = OpKind::kAllToAll;
+  CHECK(hoccl::ValidateSpec(summed).empty() && hoccl::OutputBytes(summed) == 16,
+        "summed all_to_all");
+  summed.op = OpKind::kAllGather;
+  summed.peers_only = true;
+  CHECK(!hoccl::ValidateSpec(summed).empty(), "summed peers_only all_gather accepted");
+  OpSpec summed_perm{OpKind::kPermute, 4, 0, 8, {1, 2, 3, 0}};
+  summed_perm.sum = hoccl::SumType::kF32;
+  CHECK(!hoccl::ValidateSpec(summed_perm).empty(), "summed ppermute accepted");
   CHECK(std::string(hoccl::OpName(OpKind::kAllToAll)) == "all_to_all", "op name");
 }
 

@@ -4,8 +4,10 @@ devices, as on one host whose process drives several GPUs, takes the same captur
 process per GPU. Every collective whose block (what one rank sends one peer) is at most
 JAX_HOCCL_STAGED_BYTES lowers to its command-buffer compatible `_staged` twin, which XLA may
 capture into its CUDA graphs; a larger block, and any block with JAX_HOCCL_STAGED_BYTES=0,
-lowers to the plain target, which XLA runs outside them. The values on a GPU:
-tests/test_gpu_multiprocess.py (CAPTURE_WORKER)."""
+lowers to the plain target, which XLA runs outside them. psum and psum_scatter of staged
+float32, bfloat16 and float16 blocks lower to `hoccl_psum_staged` and
+`hoccl_psum_scatter_staged`, whose exchange kernel sums as it copies out. The values on a GPU:
+tests/test_gpu_multiprocess.py (STAGED_WORKER, CAPTURE_WORKER)."""
 import re
 
 import pytest
@@ -30,9 +32,13 @@ def cuda_targets(monkeypatch):
       name: tuple(set(platforms) | {"CUDA"}) for name, platforms in ffi_targets.TARGETS.items()})
 
 
-def _targets(op, n, cols):
+# psum and psum_scatter of the types the exchange kernel adds: summed inside the exchange.
+SUMMED = {"psum": "hoccl_psum_staged", "psum_scatter": "hoccl_psum_scatter_staged"}
+
+
+def _targets(op, n, cols, dtype=jnp.float32):
   """The jax_hoccl custom calls of `op` over n devices of this process, each rank's input
-  n x cols float32."""
+  n x cols of `dtype`."""
   mesh = jax.make_mesh((n,), ("tp",), devices=CPUS[:n])
   shift = [(i, (i + 1) % n) for i in range(n)]
   body = {"psum": lambda v: jax_hoccl.psum(v, "tp"),
@@ -43,7 +49,7 @@ def _targets(op, n, cols):
           "ppermute": lambda v: jax_hoccl.ppermute(v, "tp", shift)}[op]
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"),
                             check_vma=False))
-  x = jax.ShapeDtypeStruct((n * n, cols), jnp.float32, sharding=NamedSharding(mesh, P("tp")))
+  x = jax.ShapeDtypeStruct((n * n, cols), dtype, sharding=NamedSharding(mesh, P("tp")))
   text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
   return [a or b for a, b in re.findall(r'custom_call @(hoccl\w+)|call_target_name = "(hoccl\w+)"',
                                         text)]
@@ -55,8 +61,28 @@ def test_blocks_up_to_the_crossover_lower_to_the_captured_targets(op, n, monkeyp
   monkeypatch.setenv("JAX_HOCCL_STAGED_BYTES", "4096")
   mover = f"hoccl_{MOVER[op]}"
   # n x 256 float32 per rank: an all_gather's block n KiB, an all_to_all's 1 KiB
-  assert _targets(op, n, 256) == [f"{mover}_staged"]
+  assert _targets(op, n, 256) == [SUMMED.get(op, f"{mover}_staged")]
   # n x 4096: blocks of 16 KiB and more, above the crossover
   assert _targets(op, n, 4096) == [mover]
   monkeypatch.setenv("JAX_HOCCL_STAGED_BYTES", "0")
   assert _targets(op, n, 256) == [mover]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32])
+@pytest.mark.parametrize("op", sorted(SUMMED))
+def test_sums_of_staged_blocks_run_inside_the_exchange(op, dtype, monkeypatch):
+  monkeypatch.setenv("JAX_HOCCL_STAGED_BYTES", "4096")
+  mover = f"hoccl_{MOVER[op]}"
+  summed = jnp.dtype(dtype) != jnp.int32  # the kernel adds floats; integers keep XLA's sum
+  assert _targets(op, 2, 256, dtype) == [SUMMED[op] if summed else f"{mover}_staged"]
+  assert _targets(op, 2, 8192, dtype) == [mover]  # above the crossover: zero copy, XLA's sum
+  # where the exchange kernel does not serve (copy calls): the mover, then XLA's sum
+  monkeypatch.setenv("JAX_HOCCL_STAGED_KERNEL", "0")
+  assert _targets(op, 2, 256, dtype) == [f"{mover}_staged"]
+
+
+def test_two_step_psum_keeps_its_two_exchanges(monkeypatch):
+  """psum_scatter summed inside its exchange, then an all_gather of the summed parts."""
+  monkeypatch.setenv("JAX_HOCCL_STAGED_BYTES", "4096")
+  with jax_hoccl.psum_algorithm("two_step"):
+    assert _targets("psum", 2, 256) == ["hoccl_psum_scatter_staged", "hoccl_all_gather_staged"]

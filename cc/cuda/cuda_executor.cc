@@ -274,6 +274,12 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   if (!announce && (lane == 0 || StagedKernelServes(spec.group_size)) && st.progress &&
       StagedEligible(spec))
     return RunStaged(comm, st, spec, stream, capturing, input, output, lane, op);
+  if (spec.sum != SumType::kNone)  // the lowering picks summed targets for staged blocks only
+    return {ErrorKind::kInvalidArgument,
+            Prefix(spec, op, device) +
+                "a sum inside the exchange runs on the staged path only, which this call cannot "
+                "take (JAX_HOCCL_STAGED_BYTES differs from the lowering's, or this GPU cannot "
+                "write mapped host memory from a stream)"};
   if (capturing)
     return {ErrorKind::kInternal,
             Prefix(spec, op, device) +

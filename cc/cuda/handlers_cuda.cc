@@ -93,6 +93,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStagedCuda, PermuteCuda,
                               CudaSync().Attr<ffi::Span<const int64_t>>("permute_dst"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+// ---- psum (one shot) and psum_scatter of staged blocks with the sum inside the exchange
+// (plan.h: OpSpec::sum): the movers' exchange, whose copies out add every rank's block in rank
+// order. Only on the staged path, which the lowering guarantees (ffi_targets.py,
+// staged_sum_target); command-buffer compatible like the movers above.
+static ffi::Error SummedCuda(OpKind op, const char* name, cudaStream_t stream, int32_t device,
+                             ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, Group group) {
+  auto options = SumOf(x.element_type(), name);
+  if (options.has_error()) return options.error();
+  return RunCuda(op, stream, device, x, out, group, *options);
+}
+
+static ffi::Error PsumStagedCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                 ffi::Result<ffi::AnyBuffer> out, Group group) {
+  return SummedCuda(OpKind::kAllGather, "psum", stream, device, x, out, group);
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kPsumStagedCuda, PsumStagedCuda, CudaSync(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+static ffi::Error PsumScatterStagedCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                        ffi::Result<ffi::AnyBuffer> out, Group group) {
+  return SummedCuda(OpKind::kAllToAll, "psum_scatter", stream, device, x, out, group);
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kPsumScatterStagedCuda, PsumScatterStagedCuda, CudaSync(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 // ---- async pairs: each start runs its exchange on an async stream (cuda/async_streams.h).
 static ffi::Error AllGatherStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                                      ffi::RemainingRets rets, Group group, int64_t stream_index,

@@ -33,6 +33,7 @@ struct ExchangeOptions {
   bool at_source_slot = false;
   bool in_place = false;
   bool skip_own = false;
+  SumType sum = SumType::kNone;
 };
 inline ExchangeOptions PermuteTo(xla::ffi::Span<const int64_t> permute_dst) {
   ExchangeOptions options;
@@ -50,6 +51,23 @@ inline ExchangeOptions SkipOwn(int64_t skip_own) {
   return options;
 }
 
+// A summed exchange of `x`'s elements (psum, psum_scatter on the staged path), or an error
+// for a type the exchange kernel does not add (the lowering picks these targets only for
+// these types: ffi_targets.py, staged_sum_target).
+inline xla::ffi::ErrorOr<ExchangeOptions> SumOf(xla::ffi::DataType type, const char* op) {
+  ExchangeOptions options;
+  switch (type) {
+    case xla::ffi::DataType::F32: options.sum = SumType::kF32; break;
+    case xla::ffi::DataType::BF16: options.sum = SumType::kBF16; break;
+    case xla::ffi::DataType::F16: options.sum = SumType::kF16; break;
+    default:
+      return xla::ffi::Error::InvalidArgument(std::string("jax_hoccl ") + op +
+                                              ": the staged sum adds float32, bfloat16 and "
+                                              "float16 only");
+  }
+  return options;
+}
+
 inline xla::ffi::Error DecodeOp(OpKind op, int64_t device, size_t in_bytes, size_t out_bytes,
                                 const Group& group, const ExchangeOptions& options, OpSpec* spec,
                                 std::vector<int64_t>* group_ids) {
@@ -62,6 +80,7 @@ inline xla::ffi::Error DecodeOp(OpKind op, int64_t device, size_t in_bytes, size
   spec->at_source_slot = options.at_source_slot;
   spec->in_place = options.in_place;
   spec->skip_own = options.skip_own;
+  spec->sum = options.sum;
   if (out_bytes != OutputBytes(*spec))
     return xla::ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) +
                                             ": output size does not match the input");

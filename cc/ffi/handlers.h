@@ -45,6 +45,9 @@ XLA_FFI_Error* kPermuteCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllGatherStagedCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllStagedCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kPermuteStagedCuda(XLA_FFI_CallFrame* call_frame);
+// psum / psum_scatter of staged blocks, summed inside the exchange
+XLA_FFI_Error* kPsumStagedCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* kPsumScatterStagedCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllGatherStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kIntoStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAllToAllStartCuda(XLA_FFI_CallFrame* call_frame);

@@ -73,6 +73,9 @@ nb::dict Registrations() {
   add("hoccl_all_gather_staged", CpuStaged(hoccl::kAllGatherCpu), HOCCL_CUDA(kAllGatherStagedCuda));
   add("hoccl_all_to_all_staged", CpuStaged(hoccl::kAllToAllCpu), HOCCL_CUDA(kAllToAllStagedCuda));
   add("hoccl_ppermute_staged", CpuStaged(hoccl::kPermuteCpu), HOCCL_CUDA(kPermuteStagedCuda));
+  // CUDA only: psum and psum_scatter of staged blocks, summed by the exchange kernel.
+  add("hoccl_psum_staged", nb::none(), HOCCL_CUDA(kPsumStagedCuda));
+  add("hoccl_psum_scatter_staged", nb::none(), HOCCL_CUDA(kPsumScatterStagedCuda));
   // Async pairs.
   add("hoccl_all_gather_start", CpuStaged(hoccl::kAllGatherStartCpu),
       HOCCL_CUDA(kAllGatherStartCuda));

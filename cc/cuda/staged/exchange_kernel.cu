@@ -1,5 +1,10 @@
 #include "cuda/staged/exchange_kernel.h"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "plan.h"
+
 namespace hoccl {
 namespace {
 
@@ -48,6 +53,67 @@ __device__ void CopyPart(char* dst, const char* src, size_t begin, size_t end) {
     done = words * 16;
   }
   for (size_t i = done + threadIdx.x; i < bytes; i += kThreads) dst[i] = src[i];
+}
+
+// Element conversions of the summed exchange: float32 accumulation, one rounding at the end.
+__device__ __forceinline__ float ToFloat(float v) { return v; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
+template <typename T>
+__device__ __forceinline__ T FromFloat(float v);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+// This CTA's part of out = src[0] + src[1] + ... + src[n - 1], a left fold in rank order (the
+// order of ops/common.py's sum_leading, so the bits match the XLA path's and are the same on
+// every rank): 16-byte words when every end allows, elements for the rest.
+template <typename T>
+__device__ void SumPart(char* out, const char* const* src, int n, size_t begin, size_t end) {
+  if (begin >= end) return;
+  constexpr int kPer = 16 / sizeof(T);
+  size_t done = begin;
+  uintptr_t align = reinterpret_cast<uintptr_t>(out + begin);
+  for (int s = 0; s < n; ++s) align |= reinterpret_cast<uintptr_t>(src[s] + begin);
+  if ((align & 15) == 0) {
+    const size_t words = (end - begin) / 16;
+    for (size_t i = threadIdx.x; i < words; i += kThreads) {
+      const size_t at = begin + i * 16;
+      float acc[kPer];
+      {
+        const uint4 w = *reinterpret_cast<const uint4*>(src[0] + at);
+        const T* e = reinterpret_cast<const T*>(&w);
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) acc[j] = ToFloat(e[j]);
+      }
+      for (int s = 1; s < n; ++s) {
+        const uint4 w = *reinterpret_cast<const uint4*>(src[s] + at);
+        const T* e = reinterpret_cast<const T*>(&w);
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) acc[j] += ToFloat(e[j]);
+      }
+      uint4 w;
+      T* e = reinterpret_cast<T*>(&w);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) e[j] = FromFloat<T>(acc[j]);
+      *reinterpret_cast<uint4*>(out + at) = w;
+    }
+    done = begin + words * 16;
+  }
+  for (size_t at = done + threadIdx.x * sizeof(T); at < end; at += kThreads * sizeof(T)) {
+    float acc = ToFloat(*reinterpret_cast<const T*>(src[0] + at));
+    for (int s = 1; s < n; ++s) acc += ToFloat(*reinterpret_cast<const T*>(src[s] + at));
+    *reinterpret_cast<T*>(out + at) = FromFloat<T>(acc);
+  }
 }
 
 // Thread 0 waits until *flag == value, then resets it. Returns false if the watchdog broke
@@ -121,7 +187,7 @@ __global__ void __launch_bounds__(kThreads) ExchangeKernel(const StagedKernelArg
         const int d = (r + k) % n;
         CopyPart(Slot(a.layout, d, n, a.set, r), a.in + (all_to_all ? d * a.block : 0), begin, end);
       }
-      if (!a.skip_own)
+      if (!a.skip_own && !a.sum)
         CopyPart(a.out + r * a.block, a.in + (all_to_all ? r * a.block : 0), begin, end);
     }
   }
@@ -135,6 +201,16 @@ __global__ void __launch_bounds__(kThreads) ExchangeKernel(const StagedKernelArg
     if (a.kind == StagedKind::kPermute) {
       if (a.permute_src >= 0 && a.permute_src != r)
         CopyPart(a.out, Slot(a.layout, r, n, a.set, a.permute_src), begin, end);
+    } else if (a.sum) {
+      const char* src[kKernelMaxRanks];
+      for (int s = 0; s < n; ++s)
+        src[s] = s == r ? a.in + (all_to_all ? r * a.block : 0) : Slot(a.layout, r, n, a.set, s);
+      switch (static_cast<SumType>(a.sum)) {
+        case SumType::kF32: SumPart<float>(a.out, src, n, begin, end); break;
+        case SumType::kBF16: SumPart<__nv_bfloat16>(a.out, src, n, begin, end); break;
+        case SumType::kF16: SumPart<__half>(a.out, src, n, begin, end); break;
+        default: break;
+      }
     } else {
       for (int k = 1; k < n; ++k) {
         const int d = (r + k) % n;

@@ -57,6 +57,8 @@ struct StagedKernelArgs {
   StagedKind kind;
   int n, rank, set;
   int skip_own;     // gather/all_to_all: my own block is not copied
+  int sum;          // gather/all_to_all: a SumType (plan.h): every rank's block for me, my own
+                    // from `in`, added in rank order into `out` (one block); 0: copied out
   int permute_dst;  // permute: where mine goes (-1: nowhere), and who sends to me
   int permute_src;  // (-1: nobody; my output is zero-filled)
   int captured;     // meet the peers' arrival first (their earlier captured calls)

@@ -94,6 +94,7 @@ std::string KernelExchange(const RankState& st, const Call& c) {
   a.rank = r;
   a.set = c.set;
   a.skip_own = spec.skip_own;
+  a.sum = static_cast<int>(spec.sum);
   a.permute_dst = spec.op == OpKind::kPermute ? spec.permute_dst[r] : -1;
   a.permute_src = c.source;
   a.captured = c.captured;
@@ -179,17 +180,22 @@ bool StagedEligible(const OpSpec& spec) {
   return BlockBytes(spec) <= slot;
 }
 
+// Bits 48-55: the op + 1; bit 56: summed (psum, psum_scatter); bits 0-47: the block's bytes.
 uint64_t StagedFlagValue(const OpSpec& spec) {
   return (uint64_t{1} << 63) | (static_cast<uint64_t>(spec.op) + 1) << 48 |
-         (BlockBytes(spec) & kSizeMask);
+         static_cast<uint64_t>(spec.sum != SumType::kNone) << 56 | (BlockBytes(spec) & kSizeMask);
 }
 
 std::string DescribeStagedFlag(uint64_t value) {
-  const int op = static_cast<int>((value >> 48) & 0x7fff) - 1;
-  if (!(value >> 63) || op < 0 || op > static_cast<int>(OpKind::kPermute))
+  const int op = static_cast<int>((value >> 48) & 0xff) - 1;
+  const bool summed = (value >> 56) & 1;
+  if (!(value >> 63) || op < 0 || op > static_cast<int>(OpKind::kPermute) ||
+      (summed && op == static_cast<int>(OpKind::kPermute)) || ((value >> 57) & 0x3f))
     return "an unknown call (flag " + std::to_string(value) + ")";
-  return std::string(OpName(static_cast<OpKind>(op))) + " of " + std::to_string(value & kSizeMask) +
-         "-byte blocks";
+  const char* name = !summed ? OpName(static_cast<OpKind>(op))
+                     : static_cast<OpKind>(op) == OpKind::kAllGather ? "psum"
+                                                                     : "psum_scatter";
+  return std::string(name) + " of " + std::to_string(value & kSizeMask) + "-byte blocks";
 }
 
 ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cudaStream_t stream,
@@ -205,6 +211,12 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
     return {ErrorKind::kInternal, std::string("jax_hoccl ") + op +
                                       ": only calls on XLA's stream "
                                       "are captured into CUDA graphs"};
+  if (spec.sum != SumType::kNone && !StagedKernelServes(n))
+    return {ErrorKind::kInvalidArgument,
+            std::string("jax_hoccl ") + op + ": a sum inside the exchange needs the exchange " +
+                "kernel (groups of at most " + std::to_string(kKernelMaxRanks) +
+                " ranks, JAX_HOCCL_STAGED_KERNEL unset or 1 in every process when the program " +
+                "was lowered and run)"};
   StagedLaneState& sl = st.staged[lane];
   const uint64_t call = sl.calls;
   const int set = captured ? kCapturedSet : SlotSet(lane, static_cast<int>(call & 1));

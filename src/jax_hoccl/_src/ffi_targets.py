@@ -110,3 +110,29 @@ def mover_target(target: str, ctx, attrs: dict, parts: int = 1) -> str:
     return target
   group_size = int(attrs["group"]["group_size"])
   return f"{target}_staged" if group_size >= 2 and 0 < block <= limit else target
+
+
+# What the exchange kernel adds (cc/ffi/handler_common.h: SumOf), and the groups it serves
+# (cc/cuda/staged/exchange_kernel.h: kKernelMaxRanks).
+SUMMED_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16), np.dtype(np.float16))
+KERNEL_MAX_RANKS = 16
+
+
+def lower_staged_sum(target: str, mover: str, op: str, ctx, x, group_attrs, blocks: bool = False):
+  """The custom call `target` (hoccl_psum_staged, hoccl_psum_scatter_staged), whose sum runs
+  inside the staged exchange, where it can: on CUDA, a block that `mover` (hoccl_all_gather;
+  hoccl_all_to_all, `blocks`: x holds one block per rank) stages, of a type the exchange
+  kernel adds, in a group it serves (JAX_HOCCL_STAGED_KERNEL not 0). Else None: the mover and
+  a sum of XLA's. `group_attrs()` gives the group's attributes (axes.ffi_group_attrs)."""
+  if tuple(ctx.module_context.platforms) != ("cuda",):
+    return None
+  if os.environ.get("JAX_HOCCL_STAGED_KERNEL", "1") == "0":
+    return None
+  if np.dtype(ctx.avals_in[0].dtype) not in SUMMED_DTYPES:
+    return None
+  attrs = group_attrs()
+  n = int(attrs["group"]["group_size"])
+  if n > KERNEL_MAX_RANKS or not mover_target(mover, ctx, attrs, n if blocks else 1).endswith(
+      "_staged"):
+    return None
+  return ffi_lower(target, op, ctx, x, **attrs)

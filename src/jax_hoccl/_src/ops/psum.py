@@ -26,6 +26,7 @@ from jax_hoccl._src import branches
 from jax_hoccl._src import cost_model
 from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
+from jax_hoccl._src.ffi_targets import lower_staged_sum
 from jax_hoccl._src.ops import across_processes, buckets, common
 from jax_hoccl._src.ops.all_gather import gather_stacked
 from jax_hoccl._src.ops.psum_scatter import reduce_scatter_stacked
@@ -126,6 +127,12 @@ def _lowering(ctx, x, *, axes, axis_size, algorithm, unreduced, site, groups):
     across = across_processes.lowering_for("psum", ctx, x, axes=axes, groups=groups)
     if across is not None:
       return across
+    if algorithm == "one_shot" and axes_lib.groups_even(groups):
+      # A staged block on CUDA: the exchange kernel sums as it copies out (one launch).
+      staged = lower_staged_sum("hoccl_psum_staged", "hoccl_all_gather", "psum", ctx, x,
+                                lambda: axes_lib.ffi_group_attrs(ctx, axes, "psum", site, groups))
+      if staged is not None:
+        return staged
     return ji.lower_fun(_impl, multiple_results=False)(
         ctx, x, axes=axes, axis_size=axis_size, algorithm=algorithm, unreduced=False,
         site=site, groups=groups)

@@ -16,6 +16,7 @@ from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import branches
 from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
+from jax_hoccl._src.ffi_targets import lower_staged_sum
 from jax_hoccl._src.ops import across_processes, buckets, common
 from jax_hoccl._src.ops.all_gather import all_gather_p, gather_stacked
 from jax_hoccl._src.ops.all_to_all import exchange_stacked
@@ -66,6 +67,12 @@ def _lowering(ctx, x, *, axes, axis_size, unreduced, site, groups):
     across = across_processes.lowering_for("reduce_scatter", ctx, x, axes=axes, groups=groups)
     if across is not None:
       return across
+    # A staged block on CUDA: the exchange kernel sums as it copies out (one launch).
+    staged = lower_staged_sum(
+        "hoccl_psum_scatter_staged", "hoccl_all_to_all", "psum_scatter", ctx, x,
+        lambda: axes_lib.ffi_group_attrs(ctx, axes, "psum_scatter", site, groups), blocks=True)
+    if staged is not None:
+      return staged
     return ji.lower_fun(_impl, multiple_results=False)(ctx, x, axes=axes, axis_size=axis_size,
                                                         unreduced=False, site=site,
                                                         groups=groups)
