@@ -403,7 +403,8 @@ STAGED_WORKER = PRELUDE + textwrap.dedent("""
                     jax_hoccl.pmax(a, "tp"), jax_hoccl.psum_scatter(a, "tp", tiled=True))
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
         if dtype != np.int32:  # staged sums of floats run inside the exchange kernel
-            summed = os.environ.get("JAX_HOCCL_STAGED_KERNEL", "1") != "0"
+            summed = (os.environ.get("JAX_HOCCL_STAGED_KERNEL", "1") != "0"
+                      and os.environ.get("JAX_HOCCL_STAGED_SUM") == "1")
             text = f.lower(shard(small[me]), shard(big[me])).as_text()
             assert ("hoccl_psum_staged" in text and "hoccl_psum_scatter_staged" in text) == summed
         outs = f(shard(small[me]), shard(big[me]))
@@ -507,7 +508,7 @@ CAPTURE_WORKER = PRELUDE + textwrap.dedent("""
     xs = data(0)
     x = shard(xs[me])
     text = f.lower(x).as_text()
-    assert "hoccl_psum_staged" in text, text[:3000]
+    assert "hoccl_all_gather_staged" in text, text[:3000]
     check(f(x), xs, "first")
     before = _hoccl.staged_lanes()
     ys = []
@@ -571,10 +572,13 @@ def test_two_processes_on_one_gpu_without_preallocation(tmp_path):
 @pytest.mark.parametrize("mover", ["exchange_kernel", "copy_calls"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_staged_path_under_mps(tmp_path, n, mover):
-  """exchange_kernel: async starts staged on their lanes too; copy_calls
-  (JAX_HOCCL_STAGED_KERNEL=0): staged on XLA's stream only, async starts zero copy."""
+  """exchange_kernel: async starts staged on their lanes too, and psum / psum_scatter of
+  floats summed inside the kernel (JAX_HOCCL_STAGED_SUM=1, bit for bit); copy_calls
+  (JAX_HOCCL_STAGED_KERNEL=0): staged on XLA's stream only, async starts zero copy, sums by
+  XLA."""
   env = {"JAX_HOCCL_TIMEOUT_S": "60", "JAX_HOCCL_STAGED_BYTES": "4096",
-         "JAX_HOCCL_STAGED_KERNEL": "1" if mover == "exchange_kernel" else "0"}
+         "JAX_HOCCL_STAGED_KERNEL": "1" if mover == "exchange_kernel" else "0",
+         "JAX_HOCCL_STAGED_SUM": "1"}
   with mps_daemon() as mps:
     outs = _run(tmp_path, STAGED_WORKER, timeout=300, env={**env, **mps}, n=n)
   for out in outs:
@@ -678,7 +682,7 @@ def test_mismatched_calls_are_an_immediate_error(tmp_path, path):
     if path == "zero_copy":
       assert "psum (all_gather) of 16 bytes" in out and "all_to_all of 16 bytes" in out, out[-3000:]
     else:
-      assert "psum of 16-byte blocks" in out and "all_to_all of 8-byte blocks" in out, out[-3000:]
+      assert "all_gather of 16-byte blocks" in out and "all_to_all of 8-byte blocks" in out, out[-3000:]
     assert float(out.split("ERROR after ")[1].split(" s")[0]) < 30
 
 

@@ -76,7 +76,10 @@ __device__ __forceinline__ __half FromFloat<__half>(float v) {
 
 // This CTA's part of out = src[0] + src[1] + ... + src[n - 1], a left fold in rank order (the
 // order of ops/common.py's sum_leading, so the bits match the XLA path's and are the same on
-// every rank): 16-byte words when every end allows, elements for the rest.
+// every rank): 16-byte words when every end allows, elements for the rest. A thread takes
+// kSumWords words at a time and loads two sources' at once: the sum is bound by load latency
+// (a few CTAs per call), not by bandwidth.
+constexpr int kSumWords = 8;
 template <typename T>
 __device__ void SumPart(char* out, const char* const* src, int n, size_t begin, size_t end) {
   if (begin >= end) return;
@@ -86,26 +89,41 @@ __device__ void SumPart(char* out, const char* const* src, int n, size_t begin, 
   for (int s = 0; s < n; ++s) align |= reinterpret_cast<uintptr_t>(src[s] + begin);
   if ((align & 15) == 0) {
     const size_t words = (end - begin) / 16;
-    for (size_t i = threadIdx.x; i < words; i += kThreads) {
-      const size_t at = begin + i * 16;
-      float acc[kPer];
-      {
-        const uint4 w = *reinterpret_cast<const uint4*>(src[0] + at);
-        const T* e = reinterpret_cast<const T*>(&w);
+    for (size_t i = threadIdx.x; i < words; i += kSumWords * kThreads) {
+      float acc[kSumWords][kPer];
+      // Two sources' loads in flight at once (one round trip for two ranks), added in order.
+      for (int s = 0; s < n; s += 2) {
+        const bool pair = s + 1 < n;
+        const uint4* from = reinterpret_cast<const uint4*>(src[s] + begin);
+        const uint4* next = reinterpret_cast<const uint4*>(src[pair ? s + 1 : s] + begin);
+        uint4 w[kSumWords], v[kSumWords];
 #pragma unroll
-        for (int j = 0; j < kPer; ++j) acc[j] = ToFloat(e[j]);
+        for (int u = 0; u < kSumWords; ++u) {
+          if (i + u * kThreads >= words) continue;
+          w[u] = from[i + u * kThreads];
+          if (pair) v[u] = next[i + u * kThreads];
+        }
+#pragma unroll
+        for (int u = 0; u < kSumWords; ++u) {
+          const T* e = reinterpret_cast<const T*>(&w[u]);
+          const T* f = reinterpret_cast<const T*>(&v[u]);
+#pragma unroll
+          for (int j = 0; j < kPer; ++j) {
+            acc[u][j] = s ? acc[u][j] + ToFloat(e[j]) : ToFloat(e[j]);
+            if (pair) acc[u][j] = acc[u][j] + ToFloat(f[j]);
+          }
+        }
       }
-      for (int s = 1; s < n; ++s) {
-        const uint4 w = *reinterpret_cast<const uint4*>(src[s] + at);
-        const T* e = reinterpret_cast<const T*>(&w);
+      uint4* to = reinterpret_cast<uint4*>(out + begin);
 #pragma unroll
-        for (int j = 0; j < kPer; ++j) acc[j] += ToFloat(e[j]);
+      for (int u = 0; u < kSumWords; ++u) {
+        if (i + u * kThreads >= words) break;
+        uint4 w;
+        T* e = reinterpret_cast<T*>(&w);
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) e[j] = FromFloat<T>(acc[u][j]);
+        to[i + u * kThreads] = w;
       }
-      uint4 w;
-      T* e = reinterpret_cast<T*>(&w);
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) e[j] = FromFloat<T>(acc[j]);
-      *reinterpret_cast<uint4*>(out + at) = w;
     }
     done = begin + words * 16;
   }
