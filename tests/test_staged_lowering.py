@@ -90,3 +90,25 @@ def test_two_step_psum_keeps_its_two_exchanges(monkeypatch):
   monkeypatch.setenv("JAX_HOCCL_STAGED_SUM", "1")
   with jax_hoccl.psum_algorithm("two_step"):
     assert _targets("psum", 2, 256) == ["hoccl_psum_scatter_staged", "hoccl_all_gather_staged"]
+
+
+def test_staged_sums_over_axis_index_groups_and_pytrees(monkeypatch):
+  """Even axis_index_groups take the summed targets with their group table; a pytree's leaves
+  of one dtype share one summed exchange (buckets.py); pmean is psum's."""
+  monkeypatch.setenv("JAX_HOCCL_STAGED_BYTES", "4096")
+  monkeypatch.setenv("JAX_HOCCL_STAGED_SUM", "1")
+  mesh = jax.make_mesh((4,), ("tp",), devices=CPUS[:4])
+  groups = [[0, 2], [1, 3]]
+
+  def body(v):
+    return (jax_hoccl.psum(v, "tp", axis_index_groups=groups),
+            jax_hoccl.psum({"a": v, "b": v * 2}, "tp"), jax_hoccl.pmean(v, "tp"),
+            jax_hoccl.psum_scatter(v, "tp", axis_index_groups=groups, tiled=True))
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"),
+                            check_vma=False))
+  x = jax.ShapeDtypeStruct((16, 64), jnp.bfloat16, sharding=NamedSharding(mesh, P("tp")))
+  text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  found = re.findall(r'custom_call @(hoccl\w+)|call_target_name = "(hoccl\w+)"', text)
+  assert [a or b for a, b in found] == ["hoccl_psum_staged"] * 3 + ["hoccl_psum_scatter_staged"]
+  assert "group_size = 2" in text  # the groups' table, not the whole axis
