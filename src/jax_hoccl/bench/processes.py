@@ -12,7 +12,8 @@ cost does not). Without a GPU, 2 processes of one CPU device each.
 Every size runs on both paths, in alternating jobs: the default crossover (calls up to 1 MiB
 per peer staged) and JAX_HOCCL_STAGED_BYTES=0 (the per-call rendezvous: zero copy on GPU);
 on a GPU also the staged calls as copy calls and stream memory operations instead of the
-exchange kernel (JAX_HOCCL_STAGED_KERNEL=0), and the default with XLA recording every program
+exchange kernel (JAX_HOCCL_STAGED_KERNEL=0), the staged psum and psum_scatter summed inside
+the exchange kernel (JAX_HOCCL_STAGED_SUM=1), and both sums with XLA recording every program
 into a CUDA graph (CAPTURED_FLAG: staged calls are replayed, their handler runs once). A
 JAX_HOCCL_STAGED_BYTES set by the caller runs alone. 16 MiB per rank is above the crossover:
 both paths' rows are zero copy there. Without a GPU the jobs repeat (JOBS times: the machine
@@ -24,8 +25,9 @@ Rows: {"op", "bytes_per_rank", "ranks", "mps", "path", "us_per_call", "baseline_
 "added_us_per_call", "spread_us" (the quartiles of the rounds' differences),
 "added_per_round_us", "jobs"}, from the rank the op adds most to; "path" is the path the op's
 calls took ("staged", "rendezvous" or "zero_copy", as the engine counted them on CPU); on a
-GPU's staged rows, "exchange": "kernel" or "copy_calls", and on a GPU "captured": whether XLA
-recorded the calls into CUDA graphs. And "host_profile": the same calls' host time inside
+GPU's staged rows, "exchange": "kernel" or "copy_calls" (and for psum and psum_scatter "sum":
+"kernel" or "xla", who adds the blocks), and on a GPU "captured": whether XLA recorded the
+calls into CUDA graphs. And "host_profile": the same calls' host time inside
 jax_hoccl's handlers by phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks), on each path.
 """
 from __future__ import annotations
@@ -114,8 +116,11 @@ WORKER = textwrap.dedent("""
             return {}
         out = {"captured": captured_rows[op, nbytes]}
         if path == "staged":
-            out["exchange"] = ("copy_calls" if os.environ.get("JAX_HOCCL_STAGED_KERNEL") == "0"
-                               else "kernel")
+            kernel = os.environ.get("JAX_HOCCL_STAGED_KERNEL") != "0"
+            out["exchange"] = "kernel" if kernel else "copy_calls"
+            if op in ("psum", "psum_scatter"):  # who adds: the exchange kernel, or XLA after it
+                out["sum"] = ("kernel" if kernel and os.environ.get("JAX_HOCCL_STAGED_SUM") == "1"
+                              else "xla")
         return out
 
     rows = []
@@ -151,14 +156,16 @@ def _run(n: int, env: dict):
 
 def _settings(gpu: bool, xla_flags: str) -> list[dict]:
   """The crossover of each job: the caller's, else the default and 0 (both paths); on a GPU
-  also the staged path's copy-call exchange, and every program in CUDA graphs (`xla_flags`:
-  the jobs' XLA flags)."""
+  also the staged path's copy-call exchange, the staged sums inside the exchange kernel
+  (JAX_HOCCL_STAGED_SUM=1), and every program in CUDA graphs with either sum (`xla_flags`: the
+  jobs' XLA flags)."""
   if os.environ.get("JAX_HOCCL_STAGED_BYTES"):
     return [{}]
   if not gpu:
     return [{}, {"JAX_HOCCL_STAGED_BYTES": "0"}]
+  graphs = {"XLA_FLAGS": f"{xla_flags} {CAPTURED_FLAG}"}
   return [{}, {"JAX_HOCCL_STAGED_KERNEL": "0"}, {"JAX_HOCCL_STAGED_BYTES": "0"},
-          {"XLA_FLAGS": f"{xla_flags} {CAPTURED_FLAG}"}]
+          {"JAX_HOCCL_STAGED_SUM": "1"}, graphs, {**graphs, "JAX_HOCCL_STAGED_SUM": "1"}]
 
 
 def _over_jobs(jobs: list[list[dict]]) -> list[dict]:
@@ -229,13 +236,14 @@ def run(out_dir: str, commit: str) -> str:
   for r in rows:
     spread = f"{r['spread_us'][0]:.0f}-{r['spread_us'][1]:.0f}"
     path = (r["path"] + (f"/{r['exchange']}" if "exchange" in r else "")
-            + ("/graph" if r.get("captured") else ""))
+            + ("/sum" if r.get("sum") == "kernel" else "") + ("/graph" if r.get("captured") else ""))
     print(f"{r['op']:<13} {r['bytes_per_rank']:9d} {r['ranks']:5d} {path:<23} "
           f"{r['us_per_call']:9.1f} {spread:>15} {r['baseline_us_per_call']:9.1f} "
           f"{r['added_us_per_call']:8.1f}")
   print("host time inside the handlers per call, 64 KiB, 2 ranks (JAX_HOCCL_PROFILE=1):")
   for r in result["host_profile"]:
-    path = r["path"] + (f"/{r['exchange']}" if "exchange" in r else "")
+    path = (r["path"] + (f"/{r['exchange']}" if "exchange" in r else "")
+            + ("/sum" if r.get("sum") == "kernel" else ""))
     print(f"  {r['op']:<13} {path:<17} {r['phase']:<28} {r['us_per_call']:8.1f} us")
   os.makedirs(out_dir, exist_ok=True)
   name = os.path.join(out_dir, f"{result['date']}-{'1xH200' if gpu else 'cpu'}-per-call.json")

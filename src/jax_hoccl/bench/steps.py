@@ -7,7 +7,9 @@ without a GPU, 2 processes of one CPU device each.
     python -m jax_hoccl.bench --steps [--staged-floor-us US] [--out DIR]
 
 Rows (from the rank that the collectives add most to; paired.py: paired rounds of the program
-with and without them, "added" the median of the rounds' differences, its quartiles beside):
+with and without them, "added" the median of the rounds' differences, its quartiles beside),
+each with "staged_sum": whether the staged psums were summed inside the exchange kernel
+(JAX_HOCCL_STAGED_SUM=1; on a GPU every job runs with it off and on):
   "step": {"op", "layers", "ranks", "mps", "command_buffers", "us_per_step",
            "baseline_us_per_step", "added_us_per_step", "added_quartiles_us",
            "per_collective_us", "floor_us"}: L = 12 layers (64 x 1024 @ 1024 x 1024 bf16,
@@ -131,8 +133,10 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
   base.update(LAYERS=str(LAYERS), CHAIN=str(CHAIN), WIDTH=str(width), DECODE_K=str(decode_k),
               ROUNDS=str(ROUNDS), CALLS=str(CALLS))
   steps, latency, decode = [], [], []
+  # on a GPU each setting with the staged sums by XLA and inside the exchange kernel
+  jobs = [(b, s) for b in (True, False) for s in (False, True)] if gpu else [(False, False)]
   for n in ((2, 4) if gpu else (2,)):
-    for buffers in ((True, False) if gpu else (False,)):
+    for buffers, summed in jobs:
       with contextlib.ExitStack() as stack:
         if gpu:
           flags = "--xla_gpu_shard_autotuning=false"
@@ -144,8 +148,9 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
           env = {**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
         if buffers or not gpu:
           env["CHAINS"] = "1"
+        env["JAX_HOCCL_STAGED_SUM"] = "1" if summed else "0"
         rows, plat = _job(n, env)
-      common = dict(ranks=n, mps=gpu)
+      common = dict(ranks=n, mps=gpu, staged_sum=summed)
       for r in rows:
         if r["kind"] == "step":
           steps.append(dict(op=r["op"], layers=LAYERS, command_buffers=buffers, **common,
@@ -171,15 +176,18 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
             "step": steps, "device_latency": latency, "decode": decode}
   for r in steps:
     print(f"step {r['op']:<10} ranks {r['ranks']} graphs {str(r['command_buffers']):<5} "
+          f"sum {'kernel' if r['staged_sum'] else 'xla':<6} "
           f"{r['us_per_step']:8.1f} us, without {r['baseline_us_per_step']:8.1f}, "
           f"{r['per_collective_us']:6.1f} us per collective "
           f"(q1-q3 {r['added_quartiles_us'][0] / LAYERS:.1f}-"
           f"{r['added_quartiles_us'][1] / LAYERS:.1f})")
   for r in latency:
-    print(f"chain {r['op']:<10} ranks {r['ranks']} {r['us_per_op']:8.1f} us per op "
+    print(f"chain {r['op']:<10} ranks {r['ranks']} sum {'kernel' if r['staged_sum'] else 'xla':<6} "
+          f"{r['us_per_op']:8.1f} us per op "
           f"(floor {r['floor_us']})")
   for r in decode:
-    print(f"decode matmul_psum rows {r['rows']:<3} ranks {r['ranks']} {r['us_per_call']:8.1f} us, "
+    print(f"decode matmul_psum rows {r['rows']:<3} ranks {r['ranks']} "
+          f"sum {'kernel' if r['staged_sum'] else 'xla':<6} {r['us_per_call']:8.1f} us, "
           f"GEMV alone {r['gemv_us_per_call']:8.1f} us, added {r['added_us_per_call']:6.1f} us "
           f"(q1-q3 {r['added_quartiles_us'][0]:.1f}-{r['added_quartiles_us'][1]:.1f})")
   os.makedirs(out_dir, exist_ok=True)
