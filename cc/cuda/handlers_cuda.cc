@@ -96,7 +96,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteStagedCuda, PermuteCuda,
 // ---- psum (one shot) and psum_scatter of staged blocks with the sum inside the exchange
 // (plan.h: OpSpec::sum): the movers' exchange, whose copies out add every rank's block in rank
 // order. Only on the staged path, which the lowering guarantees (ffi_targets.py,
-// staged_sum_target); command-buffer compatible like the movers above.
+// lower_staged_sum); command-buffer compatible like the movers above.
 static ffi::Error SummedCuda(OpKind op, const char* name, cudaStream_t stream, int32_t device,
                              ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, Group group) {
   auto options = SumOf(x.element_type(), name);

@@ -53,7 +53,7 @@ inline ExchangeOptions SkipOwn(int64_t skip_own) {
 
 // A summed exchange of `x`'s elements (psum, psum_scatter on the staged path), or an error
 // for a type the exchange kernel does not add (the lowering picks these targets only for
-// these types: ffi_targets.py, staged_sum_target).
+// these types: ffi_targets.py, lower_staged_sum).
 inline xla::ffi::ErrorOr<ExchangeOptions> SumOf(xla::ffi::DataType type, const char* op) {
   ExchangeOptions options;
   switch (type) {

@@ -233,18 +233,19 @@ def run(out_dir: str, commit: str) -> str:
             "host_profile": [dict(r, mps=gpu) for r in profile]}
   print(f"{'op':<13} {'per rank':>9} ranks {'path':<23} {'us/call':>9} {'added q1-q3':>15} "
         f"{'without':>9} {'added':>8}")
+  def label(r):  # the path, the staged exchange and who summed: "staged/kernel/sum"
+    return (r["path"] + (f"/{r['exchange']}" if "exchange" in r else "")
+            + ("/sum" if r.get("sum") == "kernel" else ""))
+
   for r in rows:
     spread = f"{r['spread_us'][0]:.0f}-{r['spread_us'][1]:.0f}"
-    path = (r["path"] + (f"/{r['exchange']}" if "exchange" in r else "")
-            + ("/sum" if r.get("sum") == "kernel" else "") + ("/graph" if r.get("captured") else ""))
+    path = label(r) + ("/graph" if r.get("captured") else "")
     print(f"{r['op']:<13} {r['bytes_per_rank']:9d} {r['ranks']:5d} {path:<23} "
           f"{r['us_per_call']:9.1f} {spread:>15} {r['baseline_us_per_call']:9.1f} "
           f"{r['added_us_per_call']:8.1f}")
   print("host time inside the handlers per call, 64 KiB, 2 ranks (JAX_HOCCL_PROFILE=1):")
   for r in result["host_profile"]:
-    path = (r["path"] + (f"/{r['exchange']}" if "exchange" in r else "")
-            + ("/sum" if r.get("sum") == "kernel" else ""))
-    print(f"  {r['op']:<13} {path:<17} {r['phase']:<28} {r['us_per_call']:8.1f} us")
+    print(f"  {r['op']:<13} {label(r):<17} {r['phase']:<28} {r['us_per_call']:8.1f} us")
   os.makedirs(out_dir, exist_ok=True)
   name = os.path.join(out_dir, f"{result['date']}-{'1xH200' if gpu else 'cpu'}-per-call.json")
   with open(name, "w") as f:

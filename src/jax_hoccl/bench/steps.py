@@ -174,20 +174,23 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
             "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
             "jax": jax.__version__, "commit": commit, "date": str(datetime.date.today()),
             "step": steps, "device_latency": latency, "decode": decode}
+  def summed_by(r):  # who summed the staged psums
+    return "kernel" if r["staged_sum"] else "xla"
+
   for r in steps:
     print(f"step {r['op']:<10} ranks {r['ranks']} graphs {str(r['command_buffers']):<5} "
-          f"sum {'kernel' if r['staged_sum'] else 'xla':<6} "
+          f"sum {summed_by(r):<6} "
           f"{r['us_per_step']:8.1f} us, without {r['baseline_us_per_step']:8.1f}, "
           f"{r['per_collective_us']:6.1f} us per collective "
           f"(q1-q3 {r['added_quartiles_us'][0] / LAYERS:.1f}-"
           f"{r['added_quartiles_us'][1] / LAYERS:.1f})")
   for r in latency:
-    print(f"chain {r['op']:<10} ranks {r['ranks']} sum {'kernel' if r['staged_sum'] else 'xla':<6} "
+    print(f"chain {r['op']:<10} ranks {r['ranks']} sum {summed_by(r):<6} "
           f"{r['us_per_op']:8.1f} us per op "
           f"(floor {r['floor_us']})")
   for r in decode:
     print(f"decode matmul_psum rows {r['rows']:<3} ranks {r['ranks']} "
-          f"sum {'kernel' if r['staged_sum'] else 'xla':<6} {r['us_per_call']:8.1f} us, "
+          f"sum {summed_by(r):<6} {r['us_per_call']:8.1f} us, "
           f"GEMV alone {r['gemv_us_per_call']:8.1f} us, added {r['added_us_per_call']:6.1f} us "
           f"(q1-q3 {r['added_quartiles_us'][0]:.1f}-{r['added_quartiles_us'][1]:.1f})")
   os.makedirs(out_dir, exist_ok=True)
