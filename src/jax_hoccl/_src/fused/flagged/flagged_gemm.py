@@ -323,15 +323,24 @@ def _kernel_body(lay: _Layout, *refs):
                for i in range(TILE_M // EPI) for j in range(TILE_N // EPI)]
   ordered = lay.ordered
 
+  # The compute warpgroups release each k-step's slots by hand once its wgmma is done (the last
+  # ones after the epilogue waits for the accumulator), and the memory warpgroup runs on from
+  # one tile's loads to the next tile's as slots free (steady: no prologue, no drain per
+  # tile). A slot is never reloaded while a wgmma may read it, and the next tile's loads start
+  # while this one's last k-steps run (docs/design.md, "The pipeline across tiles").
+  slots = min(PIPELINE_STEPS, k_steps)
+  steady = k_steps % slots == 0  # else each tile fills and drains the pipeline
+
   def pipeline(mma, epilogue):
     return plgpu.emit_pipeline_warp_specialized(
         mma, grid=(k_steps,), memory_registers=40,
         in_specs=[plgpu.BlockSpec((TILE_M, TILE_K), lambda s: (0, s), transforms=in_transforms,
-                                  memory_space=plgpu.SMEM, delay_release=WGMMA_IN_FLIGHT),
+                                  memory_space=plgpu.SMEM),
                   plgpu.BlockSpec((TILE_K, cta_n), lambda s: (s, 0), transforms=in_transforms,
-                                  memory_space=plgpu.SMEM, delay_release=WGMMA_IN_FLIGHT)],
-        wg_axis="wg", num_compute_wgs=COMPUTE_WGS, max_concurrent_steps=PIPELINE_STEPS,
-        compute_context=epilogue)
+                                  memory_space=plgpu.SMEM)],
+        wg_axis="wg", num_compute_wgs=COMPUTE_WGS, max_concurrent_steps=slots,
+        compute_context=epilogue, manual_consumed_barriers=True,
+        pipeline_state=plgpu.PipelinePipeline.STEADY if steady else None)
 
   nothing = lambda *_, **__: None
 
@@ -346,6 +355,17 @@ def _kernel_body(lay: _Layout, *refs):
       collective_axes="wg")
   def _scope(allocs, stage, tiles, full, empty):
     wg = lax.axis_index("wg")
+
+    def release(step):  # compute warpgroup: k-step `step`'s wgmma is done with its slots
+      for barrier in allocs["flat_consumed_barrier_refs"]:
+        plgpu.barrier_arrive(barrier.at[lax.rem(step, slots)])
+
+    if steady:  # every slot starts free: the memory warpgroup's first waits pass
+      @pl.when(wg < COMPUTE_WGS)
+      def _free_slots():
+        for step in range(slots):
+          release(step)
+
     rank = rank_gmem[0] if rank_gmem is not None else None
     # A tile's flag is raised (after its stores complete) at the start of the next tile's
     # epilogue, once its mainloop gave the stores time to land: raising it right after the
@@ -396,7 +416,9 @@ def _kernel_body(lay: _Layout, *refs):
             if blk.flag and not ordered:
               _raise_flag(flag_at(flag), ordered=False)
             run_mainloop(acc)
-            result = acc[...].astype(out_dtype)
+            result = acc[...].astype(out_dtype)  # waits for every wgmma
+            for step in range(k_steps - WGMMA_IN_FLIGHT, k_steps):
+              release(step)
             if defer:
               pl.when(carry >= 0)(lambda: _raise_flag(flag_at(carry), ordered=True))
             if blk.wait == "out":
@@ -412,9 +434,11 @@ def _kernel_body(lay: _Layout, *refs):
             if blk.flag and ordered and not defer:
               _raise_flag(flag_at(flag), ordered=True)
 
-        def mma(_, a_smem, b_smem, acc):
+        def mma(idx, a_smem, b_smem, _a_consumed, _b_consumed, acc):
           plgpu.wgmma(acc, a_smem, b_smem.at[:, pl.ds(wg * TILE_N, TILE_N)])
           plgpu.wgmma_wait(WGMMA_IN_FLIGHT)
+          step = idx[0]
+          pl.when(step >= WGMMA_IN_FLIGHT)(lambda: release(step - WGMMA_IN_FLIGHT))
           return acc
 
         a_rows = pl.ds(row_of(blk.a, i), TILE_M)
