@@ -11,10 +11,12 @@ the next, the ratio much less), and the median of the rounds' ratios is reported
 spread, (max - min) / median of those ratios.
 
   python benchmarks/probe_walk_cost.py [--m 4096,16384] [--ranks 2,4] [--rounds 12]
-      [--calls 5] [--groups 1,2 --groups-at 4096] [--json OUT.json]
+      [--calls 5] [--groups 1,2] [--bands 8,16] [--compare-at 4096] [--json OUT.json]
 
---groups measures each walk with those tiles per claim (flagged_gemm.CLAIM_GROUP) at the M of
---groups-at (elsewhere the module's own); the rows say which ("claim_group").
+--groups measures each walk with those tiles per claim (flagged_gemm.CLAIM_GROUP), --bands with
+those row tiles per band (flagged_gemm.BAND_TILES), each beside the module's other setting, at
+the M of --compare-at (elsewhere the module's own); the rows say which ("claim_group",
+"band_tiles").
 """
 import argparse
 import concurrent.futures
@@ -44,28 +46,31 @@ def ones_ready(one, count):
 
 
 def plain_programs(x, w, c):
-  """{name: (op, ranks, claim_group, jitted, args)} of the GEMMs without waits."""
+  """{name: (op, ranks, settings, jitted, args)} of the GEMMs without waits (settings: the
+  flagged_gemm module's values they are lowered with; {}: its own)."""
   m = x.shape[0]
   out = jnp.zeros((m, N), bf)
   flags = jnp.zeros((m // 1024,), jnp.int32)
   return {
-      "xla dot": ("xla_dot", 1, None, jax.jit(lambda x, w: x @ w), (x, w)),
-      "flagged": ("flagged_matmul", 1, None, jax.jit(
+      "xla dot": ("xla_dot", 1, {}, jax.jit(lambda x, w: x @ w), (x, w)),
+      "flagged": ("flagged_matmul", 1, {}, jax.jit(
           lambda x, w, o, f: fg.flagged_matmul(x, w, out=o, flags=f, flag_rows=1024)),
           (x, w, out, flags)),
-      "flagged, adding into out": ("flagged_matmul_add", 1, None, jax.jit(
+      "flagged, adding into out": ("flagged_matmul_add", 1, {}, jax.jit(
           lambda x, w, c: fg.flagged_matmul(x, w, out=c, add=True)), (x, w, c))}
 
 
-def walk_programs(x, w, c, n, group):
-  """The three walks for n ranks (rank 0), with `group` tiles per claim."""
+def walk_programs(x, w, c, n, group, band):
+  """The three walks for n ranks (rank 0), with `group` tiles per claim and bands of `band`
+  row tiles."""
   m_total = x.shape[0]
   m = m_total // n
   own, gathered = x[:m], x[m:]
   one = jnp.ones((), jnp.int32)
   count = (n - 1) * m // gig.READY_ROWS
-  tag = f" n={n} G={group}"
-  p = {f"all_gather_matmul walk{tag}": ("all_gather_matmul", n, group, jax.jit(
+  tag = f" n={n} G={group} B={band}"
+  settings = {"CLAIM_GROUP": group, "BAND_TILES": band}
+  p = {f"all_gather_matmul walk{tag}": ("all_gather_matmul", n, settings, jax.jit(
       lambda own, g, w, one: fg.walk_matmul(
           w, [own, g], gig.walk(n), m, result=(n * m, bf), rank=0, ready=ones_ready(one, count),
           ready_rows=gig.READY_ROWS)), (own, gathered, w, one))}
@@ -78,7 +83,7 @@ def walk_programs(x, w, c, n, group):
     last = jnp.zeros(((n if gather else 1) * rows, N), bf)
     ring_flags = jnp.zeros((n * rows // band,), jnp.int32)
     bands = (n - 1) * rows // band
-    p[f"{name} walk{tag}"] = (name, n, group, jax.jit(
+    p[f"{name} walk{tag}"] = (name, n, settings, jax.jit(
         lambda x, w, s, l, r, f, one, gather=gather: fg.walk_matmul(
             w, [x, s, l] + ([r] if n > 2 else []), gr.walk(n, gather), rows, rank=0,
             ready=ones_ready(one, bands), ready_rows=band, flags=f, flag_rows=band)),
@@ -87,16 +92,18 @@ def walk_programs(x, w, c, n, group):
 
 
 def compile_all(progs):
-  """Lowers each program (with its claim group), then compiles and warms them up in threads:
+  """Lowers each program (with its settings), then compiles and warms them up in threads:
   the compilers run outside Python's lock."""
-  default = fg.CLAIM_GROUP
   lowered = {}
-  for name, (_, _, group, f, args) in progs.items():
-    fg.CLAIM_GROUP = group or default
+  for name, (_, _, settings, f, args) in progs.items():
+    default = {k: getattr(fg, k) for k in settings}
     try:
+      for k, v in settings.items():
+        setattr(fg, k, v)
       lowered[name] = f.lower(*args)
     finally:
-      fg.CLAIM_GROUP = default
+      for k, v in default.items():
+        setattr(fg, k, v)
 
   def build(name):
     exe = lowered[name].compile()
@@ -141,11 +148,15 @@ def main(argv=None):
   ap.add_argument("--rounds", type=int, default=12)
   ap.add_argument("--calls", type=int, default=5)
   ap.add_argument("--groups", default="", help="tiles per claim to compare, e.g. 1,2")
-  ap.add_argument("--groups-at", default="4096", help="the M where --groups are compared")
+  ap.add_argument("--bands", default="", help="row tiles per band to compare, e.g. 8,16")
+  ap.add_argument("--compare-at", default="4096", help="the M where they are compared")
   ap.add_argument("--json", default="", help="write the walk_cost rows here")
   a = ap.parse_args(argv)
-  groups = [int(g) for g in a.groups.split(",") if g] or [fg.CLAIM_GROUP]
-  groups_at = {int(m) for m in a.groups_at.split(",") if m}
+  own = (fg.CLAIM_GROUP, fg.BAND_TILES)
+  compared = ([(int(g), own[1]) for g in a.groups.split(",") if g]
+              + [(own[0], int(b)) for b in a.bands.split(",") if b])
+  compared = list(dict.fromkeys(compared)) or [own]  # (claim group, band), each once
+  compare_at = {int(m) for m in a.compare_at.split(",") if m}
   key = jax.random.split(jax.random.key(0), 3)
   w = (jax.random.normal(key[0], (K, N), jnp.float32) / np.sqrt(K)).astype(bf)
   rows = []
@@ -154,19 +165,19 @@ def main(argv=None):
     c = jax.random.normal(key[2], (m_total, N), bf)
     progs = plain_programs(x, w, c)
     for n in [int(r) for r in a.ranks.split(",")]:
-      for g in (groups if m_total in groups_at else [fg.CLAIM_GROUP]):
-        progs.update(walk_programs(x, w, c, n, g))
+      for g, b in (compared if m_total in compare_at else [own]):
+        progs.update(walk_programs(x, w, c, n, g, b))
     exes = compile_all(progs)
     # every tile computed once, whatever claimed it: the gather walk's product is x @ w
     ref = exes["xla dot"](x, w).astype(jnp.float32)
-    for k, (op, n, g, _, args) in progs.items():
+    for k, (op, n, _, _, args) in progs.items():
       if op == "all_gather_matmul":
         err = float(jnp.max(jnp.abs(exes[k](*args).astype(jnp.float32) - ref)))
         if err > 0.1:
           raise AssertionError(f"{k}: differs from XLA's dot by {err}")
     times = measure(progs, exes, a.rounds, a.calls)
     print(f"M={m_total} K={K} N={N}: {a.rounds} rounds of {a.calls} calls", flush=True)
-    for k, (op, n, g, _, _) in progs.items():
+    for k, (op, n, settings, _, _) in progs.items():
       ratios = [t / t_xla for t, t_xla in zip(times[k], times["xla dot"])]
       ratio = statistics.median(ratios)
       spread = (max(ratios) - min(ratios)) / ratio
@@ -176,7 +187,9 @@ def main(argv=None):
       if op != "xla_dot":
         rows.append(dict(op=op, m=m_total, k=K, n=N, ranks=n, ratio_to_xla_dot=ratio,
                          spread=spread, time_us=t_us, xla_dot_us=statistics.median(
-                             times["xla dot"]), claim_group=g, rounds=a.rounds, calls=a.calls))
+                             times["xla dot"]), claim_group=settings.get("CLAIM_GROUP"),
+                         band_tiles=settings.get("BAND_TILES"), rounds=a.rounds,
+                         calls=a.calls))
     del exes, progs
     if a.json:  # after each M: a run cut short keeps what it measured
       write_json(a.json, rows)

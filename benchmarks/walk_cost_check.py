@@ -3,7 +3,7 @@ cost, in under four minutes:
 
   1. tests/test_gpu_flagged_gemm.py (values, flags, claims, the held-SMs walk);
   2. benchmarks/probe_walk_cost.py at M = 4096 and 16384, 2 and 4 ranks ("walk_cost" rows),
-     comparing one tile per claim with groups of two at M = 4096;
+     comparing bands of 8 and 16 row tiles (flagged_gemm.BAND_TILES) at M = 4096;
   3. `python -m jax_hoccl.bench --gemm-only`: the flagged GEMM against XLA's dot at its three
      shapes ("gemm" rows);
   4. tile configurations of the flagged GEMM at 4096x4096x8192, side by side: the band
@@ -13,7 +13,7 @@ cost, in under four minutes:
 Each step runs in its own process under its own time limit (a hang costs only its step).
 Everything lands in OUT (default $OUT, else benchmarks/results/raw): the steps' logs, their
 JSONs, and DATE-1xGPU-walk-cost.json with all rows, machine, versions and commit. Prints a
-table last, and which claim group and configuration won. From the repository root, with the
+table last, and which band height and configuration won. From the repository root, with the
 extension built into src/jax_hoccl/:
 
   PYTHONPATH=src python benchmarks/walk_cost_check.py
@@ -31,7 +31,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET_S = 235
-GROUPS = "1,2"
+BANDS = "8,16"
 # the module's own first
 CONFIGS = ({}, {"BAND_TILES": 4}, {"BAND_TILES": 16}, {"EPI_SLOTS": 4, "PIPELINE_STEPS": 3})
 CONFIG_SHAPE = (4096, 4096, 8192)
@@ -106,8 +106,8 @@ def main(argv=None):
   walk_json = os.path.join(a.out, "walk_cost.json")
   steps["walk_cost"] = run_step(
       "walk_cost", [py, os.path.join("benchmarks", "probe_walk_cost.py"), "--m", "4096,16384",
-                    "--ranks", "2,4", "--rounds", str(a.rounds), "--groups", GROUPS,
-                    "--groups-at", "4096", "--json", walk_json], min(120, left(60)), a.out)
+                    "--ranks", "2,4", "--rounds", str(a.rounds), "--bands", BANDS,
+                    "--compare-at", "4096", "--json", walk_json], min(120, left(60)), a.out)
   steps["gemm"] = run_step(
       "gemm", [py, "-m", "jax_hoccl.bench", "--gemm-only", "--out", a.out],
       min(45, left(15)), a.out)
@@ -143,17 +143,17 @@ def main(argv=None):
             f"{r.get('spread', 0):.1%})")
   print("walk_cost (time vs XLA's dot; <= 1.02 at M=4096, <= 1.03 at M=16384 wanted):")
   for r in result["walk_cost"]:
-    print(f"  M={r['m']:<6} ranks={r['ranks']} G={r['claim_group']!s:4} {r['op']:22s} "
+    print(f"  M={r['m']:<6} ranks={r['ranks']} B={r.get('band_tiles')!s:4} {r['op']:22s} "
           f"{r['ratio_to_xla_dot']:.3f}  (spread {r['spread']:.1%})")
-  by_group = {}
+  by_band = {}
   for r in result["walk_cost"]:
-    if r["claim_group"] is not None and r["m"] == 4096:
-      by_group.setdefault(r["claim_group"], []).append(r["ratio_to_xla_dot"])
-  if len(by_group) > 1:
-    means = {g: statistics.mean(v) for g, v in by_group.items()}
+    if r.get("band_tiles") is not None and r["m"] == 4096:
+      by_band.setdefault(r["band_tiles"], []).append(r["ratio_to_xla_dot"])
+  if len(by_band) > 1:
+    means = {b: statistics.mean(v) for b, v in by_band.items()}
     best = min(means, key=means.get)
-    print("claim group at M=4096 (mean walk ratio): " + ", ".join(
-        f"G={g}: {v:.4f}" for g, v in sorted(means.items())) + f"  -> keep CLAIM_GROUP = {best}")
+    print("band at M=4096 (mean walk ratio): " + ", ".join(
+        f"B={b}: {v:.4f}" for b, v in sorted(means.items())) + f"  -> best BAND_TILES = {best}")
   speeds = {r["config"]: r["speed_vs_xla"] for r in configs if r["impl"] != "xla"}
   if speeds:
     best = max(speeds, key=speeds.get)
