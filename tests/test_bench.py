@@ -120,3 +120,31 @@ def test_processes_on_a_gpu_time_both_sums_with_and_without_graphs(monkeypatch):
                {"JAX_HOCCL_STAGED_KERNEL": "0"}, {"JAX_HOCCL_STAGED_BYTES": "0"}):
     assert want in settings, settings
   assert processes._settings(False, "") == [{}, {"JAX_HOCCL_STAGED_BYTES": "0"}]
+
+
+def test_processes_on_a_gpu_warm_each_mps_daemon_up_first(monkeypatch, tmp_path):
+  """bench --processes on a GPU: under each MPS daemon a short job runs before the timed ones
+  (the first job after a daemon starts runs slow), and its rows are dropped."""
+  import contextlib
+  from jax_hoccl.bench import processes
+  monkeypatch.delenv("JAX_HOCCL_STAGED_BYTES", raising=False)
+  monkeypatch.setattr(processes.glob, "glob", lambda pattern: ["/dev/nvidia0"])
+  daemons = []
+
+  @contextlib.contextmanager
+  def daemon():
+    daemons.append([])
+    yield {}
+
+  def run(n, env):
+    daemons[-1].append(env)
+    return [], "gpu"
+
+  monkeypatch.setattr(processes, "mps_daemon", daemon)
+  monkeypatch.setattr(processes, "_run", run)
+  result = json.load(open(processes.run(str(tmp_path), "test")))
+  assert len(daemons) == 2 and result["per_call"] == []  # 2 and 4 ranks; no row from it
+  for jobs in daemons:
+    first, timed = jobs[0], jobs[1:]
+    assert {k: first[k] for k in processes.WARM_UP} == processes.WARM_UP
+    assert timed and all(env["OPS"] == json.dumps(processes.OPS) for env in timed)

@@ -17,7 +17,8 @@ the exchange kernel (JAX_HOCCL_STAGED_SUM=1), and both sums with XLA recording e
 into a CUDA graph (CAPTURED_FLAG: staged calls are replayed, their handler runs once). A
 JAX_HOCCL_STAGED_BYTES set by the caller runs alone. 16 MiB per rank is above the crossover:
 both paths' rows are zero copy there. Without a GPU the jobs repeat (JOBS times: the machine
-may be shared) and a row pools their rounds.
+may be shared) and a row pools their rounds. On a GPU a short job runs first under each MPS
+daemon, its rows dropped (WARM_UP).
 
     python -m jax_hoccl.bench --processes [--out DIR]
 
@@ -50,6 +51,11 @@ ROUNDS, CALLS = paired.ROUNDS, paired.CALLS  # paired rounds per row, calls per 
 # XLA's flag for the job whose calls XLA records into CUDA graphs: a graph of any size (its
 # default minimum leaves a program this small uncaptured).
 CAPTURED_FLAG = "--xla_gpu_graph_min_graph_size=1"
+# A short job run first under each MPS daemon, its rows dropped: the first job after a daemon
+# starts measured 2-4x the later ones
+# (benchmarks/results/raw/2026-12-03-1xH200-per-call-attribution.txt).
+WARM_UP = {"OPS": json.dumps(["psum"]), "BYTES": json.dumps([4 << 10]), "ROUNDS": "2",
+           "CALLS": "50"}
 
 WORKER = textwrap.dedent("""
     import json, os, sys
@@ -204,6 +210,8 @@ def run(out_dir: str, commit: str) -> str:
                "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"}
       else:
         env = {**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+      if gpu:
+        _run(n, {**env, **WARM_UP})
       settings = _settings(gpu, env["XLA_FLAGS"])
       per_setting = [[] for _ in settings]
       for _ in range(jobs):  # the settings alternate, so a busy spell hits both alike
