@@ -187,11 +187,19 @@ __global__ void __launch_bounds__(kThreads) ExchangeKernel(const StagedKernelArg
   const size_t begin = static_cast<size_t>(c) * a.chunk;
   const size_t end = begin + a.chunk < a.block ? begin + a.chunk : a.block;
   const bool all_to_all = a.kind == StagedKind::kAllToAll;
+  const bool counted = a.captured && a.captured_count;
   __shared__ bool ok;
+  __shared__ int set;
   if (threadIdx.x == 0) {
-    // A captured call: every peer's earlier captured calls are done with my slots (and mine
-    // with theirs) before my chunk goes into them.
-    ok = !a.captured || Meet(a, a.layout.captured_set + 1, c);
+    set = a.set;
+    if (counted) {  // my earlier captured kernels ended before this one started
+      set = a.layout.captured_set + static_cast<int>(*a.captured_count & 1);
+      ok = true;
+    } else {
+      // A captured call: every peer's earlier captured calls are done with my slots (and mine
+      // with theirs) before my chunk goes into them.
+      ok = !a.captured || Meet(a, a.layout.captured_set + 2, c);
+    }
   }
   __syncthreads();
   if (ok) {  // my block into every peer's slot, and my own
@@ -199,11 +207,11 @@ __global__ void __launch_bounds__(kThreads) ExchangeKernel(const StagedKernelArg
       if (a.permute_dst == r)
         CopyPart(a.out, a.in, begin, end);
       else if (a.permute_dst >= 0)
-        CopyPart(Slot(a.layout, a.permute_dst, n, a.set, r), a.in, begin, end);
+        CopyPart(Slot(a.layout, a.permute_dst, n, set, r), a.in, begin, end);
     } else {
       for (int k = 1; k < n; ++k) {
         const int d = (r + k) % n;
-        CopyPart(Slot(a.layout, d, n, a.set, r), a.in + (all_to_all ? d * a.block : 0), begin, end);
+        CopyPart(Slot(a.layout, d, n, set, r), a.in + (all_to_all ? d * a.block : 0), begin, end);
       }
       if (!a.skip_own && !a.sum)
         CopyPart(a.out + r * a.block, a.in + (all_to_all ? r * a.block : 0), begin, end);
@@ -212,17 +220,17 @@ __global__ void __launch_bounds__(kThreads) ExchangeKernel(const StagedKernelArg
   __syncthreads();
   if (threadIdx.x == 0 && ok) {
     __threadfence_system();  // the pushes (every thread's, ordered by the barrier) first
-    ok = Meet(a, a.set, c);
+    ok = Meet(a, set, c);
   }
   __syncthreads();
   if (ok) {  // out of my slots
     if (a.kind == StagedKind::kPermute) {
       if (a.permute_src >= 0 && a.permute_src != r)
-        CopyPart(a.out, Slot(a.layout, r, n, a.set, a.permute_src), begin, end);
+        CopyPart(a.out, Slot(a.layout, r, n, set, a.permute_src), begin, end);
     } else if (a.sum) {
       const char* src[kKernelMaxRanks];
       for (int s = 0; s < n; ++s)
-        src[s] = s == r ? a.in + (all_to_all ? r * a.block : 0) : Slot(a.layout, r, n, a.set, s);
+        src[s] = s == r ? a.in + (all_to_all ? r * a.block : 0) : Slot(a.layout, r, n, set, s);
       switch (static_cast<SumType>(a.sum)) {
         case SumType::kF32: SumPart<float>(a.out, src, n, begin, end); break;
         case SumType::kBF16: SumPart<__nv_bfloat16>(a.out, src, n, begin, end); break;
@@ -232,19 +240,20 @@ __global__ void __launch_bounds__(kThreads) ExchangeKernel(const StagedKernelArg
     } else {
       for (int k = 1; k < n; ++k) {
         const int d = (r + k) % n;
-        CopyPart(a.out + d * a.block, Slot(a.layout, r, n, a.set, d), begin, end);
+        CopyPart(a.out + d * a.block, Slot(a.layout, r, n, set, d), begin, end);
       }
     }
   }
   if (a.kind == StagedKind::kPermute && a.permute_src < 0)
     for (size_t i = begin + threadIdx.x; i < end; i += kThreads) a.out[i] = 0;
   __syncthreads();
-  if (threadIdx.x == 0 && a.progress_value) {
+  if (threadIdx.x == 0 && (a.progress_value || counted)) {
     __threadfence();
-    if (atomicAdd(a.ctas_done, 1u) == gridDim.x - 1) {
+    if (atomicAdd(a.ctas_done, 1u) == gridDim.x - 1) {  // the grid's last CTA
       *a.ctas_done = 0;
+      if (counted) *a.captured_count += 1;  // read by the next captured call's kernel
       __threadfence_system();
-      a.host->progress[a.lane] = a.progress_value;
+      if (a.progress_value) a.host->progress[a.lane] = a.progress_value;
     }
   }
 }

@@ -24,17 +24,19 @@ inline size_t StagedSlotBytes() {
   return bytes;
 }
 
-// Slot sets: two parities per lane for calls enqueued by the host (docs/design.md), and one
-// for the calls XLA captures into CUDA graphs (only XLA's stream, lane 0, is captured).
+// Slot sets: two parities per lane for calls enqueued by the host (docs/design.md), and two
+// for the calls XLA captures into CUDA graphs (only XLA's stream, lane 0, is captured): the
+// first alone after an arrival exchange, or both by the parity of a count on the device
+// (StagedCapturedParity).
 constexpr int kCapturedSet = 2 * kLanes;
-constexpr int kSlotSets = kCapturedSet + 1;
+constexpr int kSlotSets = kCapturedSet + 2;
 inline int SlotSet(int lane, int parity) { return lane * 2 + parity; }
 
 // Flags: kChunkFlags ready flags per sender and slot set, then as many arrival flags for the
-// captured calls, then kLanes counters.
+// captured calls, then kLanes counters of finished CTAs and the count of captured calls.
 inline size_t StagedFlagBytes(int n) {
   return (static_cast<size_t>(kSlotSets + 1) * n * kChunkFlags * sizeof(uint64_t) +
-          kLanes * sizeof(unsigned int) + 255) /
+          (kLanes + 1) * sizeof(unsigned int) + 255) /
          256 * 256;
 }
 
@@ -63,6 +65,8 @@ inline uint64_t* ArrivalFlag(char* base, int n, int sender) {
 inline unsigned int* CtasDone(char* base, int n, int lane) {
   return reinterpret_cast<unsigned int*>(StagedFlag(base, n, kSlotSets + 1, 0)) + lane;
 }
+// The count of captured calls this rank's exchange kernels ran (with StagedCapturedParity).
+inline unsigned int* CapturedCount(char* base, int n) { return CtasDone(base, n, kLanes); }
 
 // The same layout as the exchange kernel reads it, for the group whose allocations (by rank)
 // are `bases` (at most kKernelMaxRanks of them).
