@@ -20,6 +20,7 @@ the M of --compare-at (elsewhere the module's own); the rows say which ("claim_g
 """
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
 import json
 import platform
@@ -91,19 +92,27 @@ def walk_programs(x, w, c, n, group, band):
   return p
 
 
+@contextlib.contextmanager
+def flagged_gemm_settings(settings):
+  """The flagged_gemm module's values (e.g. {"BAND_TILES": 16}) set inside, restored after:
+  a program lowered inside keeps them."""
+  default = {k: getattr(fg, k) for k in settings}
+  try:
+    for k, v in settings.items():
+      setattr(fg, k, v)
+    yield
+  finally:
+    for k, v in default.items():
+      setattr(fg, k, v)
+
+
 def compile_all(progs):
   """Lowers each program (with its settings), then compiles and warms them up in threads:
   the compilers run outside Python's lock."""
   lowered = {}
   for name, (_, _, settings, f, args) in progs.items():
-    default = {k: getattr(fg, k) for k in settings}
-    try:
-      for k, v in settings.items():
-        setattr(fg, k, v)
+    with flagged_gemm_settings(settings):
       lowered[name] = f.lower(*args)
-    finally:
-      for k, v in default.items():
-        setattr(fg, k, v)
 
   def build(name):
     exe = lowered[name].compile()

@@ -61,21 +61,16 @@ def config_name(config):
 
 def configs_step(out):
   """Writes OUT/gemm_configs.json: gemm rows at CONFIG_SHAPE for each of CONFIGS."""
-  from jax_hoccl._src.fused.flagged import flagged_gemm as fg
   from jax_hoccl.bench.gemm import bench_gemm
+  from probe_walk_cost import flagged_gemm_settings  # (this script's folder)
   rows = []
   for config in CONFIGS:
-    default = {k: getattr(fg, k) for k in config}
     try:
-      for k, v in config.items():
-        setattr(fg, k, v)
-      got = bench_gemm([CONFIG_SHAPE])
+      with flagged_gemm_settings(config):
+        got = bench_gemm([CONFIG_SHAPE])
     except Exception as e:  # a configuration that does not fit is reported, the others run
       print(f"   {config_name(config)}: {e!r}", flush=True)
       continue
-    finally:
-      for k, v in default.items():
-        setattr(fg, k, v)
     for r in got:
       rows.append(dict(r, config=config_name(config)))
       if r["impl"] != "xla":

@@ -30,8 +30,9 @@ calls took ("staged", "rendezvous" or "zero_copy", as the engine counted them on
 GPU's staged rows, "exchange": "kernel" or "copy_calls" (and for psum and psum_scatter "sum":
 "kernel" or "xla", who adds the blocks), and on a GPU "captured": whether XLA recorded the
 calls into CUDA graphs (and if so "captured_parity": whether they took their slots by a count
-on the device, JAX_HOCCL_STAGED_CAPTURED_PARITY=1). And "host_profile": the same calls' host time inside
-jax_hoccl's handlers by phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks), on each path.
+on the device, JAX_HOCCL_STAGED_CAPTURED_PARITY=1). And "host_profile": the same calls' host
+time inside jax_hoccl's handlers by phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks), on
+each path.
 """
 from __future__ import annotations
 
