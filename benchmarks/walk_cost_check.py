@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET_S = 235
 BANDS = "8,16"
 # the module's own first
-CONFIGS = ({}, {"BAND_TILES": 4}, {"BAND_TILES": 16}, {"EPI_SLOTS": 4, "PIPELINE_STEPS": 3})
+CONFIGS = ({}, {"BAND_TILES": 8}, {"EPI_SLOTS": 4, "PIPELINE_STEPS": 3})
 CONFIG_SHAPE = (4096, 4096, 8192)
 
 

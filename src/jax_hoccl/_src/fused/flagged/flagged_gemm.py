@@ -64,7 +64,7 @@ TILE_K = 64
 EPI = 64              # epilogue sub-tile (rows and columns) staged through shared memory
 EPI_SLOTS = 2         # sub-tiles staged at once per compute warpgroup (4: a whole tile)
 PIPELINE_STEPS = 4    # k-steps of a and b in flight (4 with 2 slots fills shared memory)
-BAND_TILES = 8        # row tiles per band of the walk (docs/design.md, section 8)
+BAND_TILES = 16       # row tiles per band of the walk (docs/design.md, section 8)
 COMPUTE_WGS = 2
 # k-steps whose wgmma may still run when the next is issued (their a and w stay in shared
 # memory that long). One hides the flags' cost; clusters of two CTAs sharing w by multicast,
