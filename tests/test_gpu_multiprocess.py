@@ -588,13 +588,14 @@ def test_staged_path_under_mps(tmp_path, n, mover):
   assert not shared_memory_left()
 
 
-@pytest.mark.parametrize("capture,parity", [("on", "0"), ("on", "1"), ("off", "0")])
-def test_staged_calls_inside_cuda_graphs(tmp_path, capture, parity):
-  """on: XLA's default command buffers; off: --xla_gpu_enable_command_buffer= (none). parity:
-  the captured calls alternate two slot sets by a count on the device
-  (JAX_HOCCL_STAGED_CAPTURED_PARITY), else meet their peers' arrival first."""
+@pytest.mark.parametrize("capture,mover", [("on", "exchange_kernel"), ("on", "copy_calls"),
+                                           ("off", "exchange_kernel")])
+def test_staged_calls_inside_cuda_graphs(tmp_path, capture, mover):
+  """on: XLA's default command buffers; off: --xla_gpu_enable_command_buffer= (none). The
+  exchange kernel's captured calls alternate two slot sets by a count on the device; copy
+  calls (JAX_HOCCL_STAGED_KERNEL=0) meet their peers' arrival first."""
   env = {"JAX_HOCCL_TIMEOUT_S": "60", "CAPTURE": capture,
-         "JAX_HOCCL_STAGED_CAPTURED_PARITY": parity,
+         "JAX_HOCCL_STAGED_KERNEL": "1" if mover == "exchange_kernel" else "0",
          "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"
          + (" --xla_gpu_enable_command_buffer=" if capture == "off" else "")}
   with mps_daemon() as mps:
@@ -651,12 +652,10 @@ def test_peer_that_never_calls_the_flagged_gemm_op(tmp_path, mover):
   assert "jax_hoccl matmul_reduce_scatter" in out and "rank 1 (device" in out, out[-3000:]
 
 
-@pytest.mark.parametrize("parity", ["0", "1"])
-def test_peer_that_never_comes_to_a_captured_call(tmp_path, parity):
+def test_peer_that_never_comes_to_a_captured_call(tmp_path):
   """The wait is inside a replayed CUDA graph: no handler runs, the exchange kernel reports its
-  own stall, and the watchdog ends it (parity: JAX_HOCCL_STAGED_CAPTURED_PARITY)."""
+  own stall, and the watchdog ends it."""
   env = {"MODE": "absent_captured", "JAX_HOCCL_TIMEOUT_S": "5",
-         "JAX_HOCCL_STAGED_CAPTURED_PARITY": parity,
          "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"}
   with mps_daemon() as mps:
     out = _run(tmp_path, FAILURE_WORKER, 120, {**env, **mps})[0]

@@ -187,19 +187,13 @@ __global__ void __launch_bounds__(kThreads) ExchangeKernel(const StagedKernelArg
   const size_t begin = static_cast<size_t>(c) * a.chunk;
   const size_t end = begin + a.chunk < a.block ? begin + a.chunk : a.block;
   const bool all_to_all = a.kind == StagedKind::kAllToAll;
-  const bool counted = a.captured && a.captured_count;
   __shared__ bool ok;
   __shared__ int set;
   if (threadIdx.x == 0) {
-    set = a.set;
-    if (counted) {  // my earlier captured kernels ended before this one started
-      set = a.layout.captured_set + static_cast<int>(*a.captured_count & 1);
-      ok = true;
-    } else {
-      // A captured call: every peer's earlier captured calls are done with my slots (and mine
-      // with theirs) before my chunk goes into them.
-      ok = !a.captured || Meet(a, a.layout.captured_set + 2, c);
-    }
+    // A captured call: the set of its count's parity (my earlier captured kernels, which
+    // counted themselves, ended before this one started).
+    set = a.captured ? a.layout.captured_set + static_cast<int>(*a.captured_count & 1) : a.set;
+    ok = true;
   }
   __syncthreads();
   if (ok) {  // my block into every peer's slot, and my own
@@ -247,11 +241,11 @@ __global__ void __launch_bounds__(kThreads) ExchangeKernel(const StagedKernelArg
   if (a.kind == StagedKind::kPermute && a.permute_src < 0)
     for (size_t i = begin + threadIdx.x; i < end; i += kThreads) a.out[i] = 0;
   __syncthreads();
-  if (threadIdx.x == 0 && (a.progress_value || counted)) {
+  if (threadIdx.x == 0 && (a.progress_value || a.captured)) {
     __threadfence();
     if (atomicAdd(a.ctas_done, 1u) == gridDim.x - 1) {  // the grid's last CTA
       *a.ctas_done = 0;
-      if (counted) *a.captured_count += 1;  // read by the next captured call's kernel
+      if (a.captured) *a.captured_count += 1;  // read by the next captured call's kernel
       __threadfence_system();
       if (a.progress_value) a.host->progress[a.lane] = a.progress_value;
     }

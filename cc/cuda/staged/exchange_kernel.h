@@ -42,7 +42,7 @@ struct StagedHostWords {
 struct StagedKernelLayout {
   char* base[kKernelMaxRanks];  // every rank's allocation, by rank
   size_t flags, slots, slot_bytes;
-  int captured_set;  // the captured calls' first slot set; their arrival flags follow both
+  int captured_set;  // the captured calls' first slot set (of two)
 };
 
 enum class StagedKind : int { kGather, kAllToAll, kPermute };
@@ -61,14 +61,12 @@ struct StagedKernelArgs {
                     // from `in`, added in rank order into `out` (one block); 0: copied out
   int permute_dst;  // permute: where mine goes (-1: nowhere), and who sends to me
   int permute_src;  // (-1: nobody; my output is zero-filled)
-  int captured;     // a captured call: meet the peers' arrival first (their earlier captured
-                    // calls), or with captured_count, take the set of its parity
+  int captured;     // a captured call: its slot set by the parity of captured_count
   int lane;         // progress[lane] gets progress_value (if non-zero)
   int tag;          // a captured call's entry in the names of captured calls
   uint64_t progress_value;
   unsigned int* ctas_done;  // device counter of this lane: the last CTA reports progress
-  // A captured call's slot set: captured_set + (*captured_count & 1), no arrival exchange; the
-  // last CTA counts the call. Null: the arrival exchange on captured_set.
+  // A captured call's slot set is captured_set + (*captured_count & 1); its last CTA counts it.
   unsigned int* captured_count;
   // The word the watchdog sets when it gives up on the group: waits end at once (the results
   // are not valid): StagedHostWords::broken.

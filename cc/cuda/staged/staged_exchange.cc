@@ -103,7 +103,7 @@ std::string KernelExchange(const RankState& st, const Call& c) {
   a.progress_value = c.captured ? 0 : c.call + 1;
   char* mine = st.peer_base[r];
   a.ctas_done = CtasDone(mine, n, c.lane);
-  a.captured_count = c.captured && StagedCapturedParity() ? CapturedCount(mine, n) : nullptr;
+  a.captured_count = CapturedCount(mine, n);
   a.broken = &st.host_words_device->broken;
   a.host = st.host_words_device;
   a.layout = st.kernel_layout;
@@ -172,11 +172,6 @@ bool StagedKernelServes(int n) {
   return on && n <= kKernelMaxRanks;
 }
 
-bool StagedCapturedParity() {
-  static const bool on = EnvInt("JAX_HOCCL_STAGED_CAPTURED_PARITY", 0, 0) != 0;
-  return on;
-}
-
 uint64_t StagedCapturedCalls() { return g_captured_calls.load(); }
 
 bool StagedEligible(const OpSpec& spec) {
@@ -211,9 +206,9 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
   const size_t block = BlockBytes(spec);
   const uint64_t value = StagedFlagValue(spec);
   // Captured into a CUDA graph: the handler runs once, its work is replayed. Nothing may
-  // depend on a host-side count, so those calls take their own slot set (kCapturedSet) and
-  // first meet their peers' arrival (their earlier captured calls are done with it), or on
-  // the exchange kernel with StagedCapturedParity, two sets by a count on the device.
+  // depend on a host-side count, so those calls take slot sets of their own: on the exchange
+  // kernel two, by the parity of a count on the device; as copy calls one (kCapturedSet),
+  // after meeting their peers' arrival (their earlier captured calls are done with it).
   if (captured && lane != 0)
     return {ErrorKind::kInternal, std::string("jax_hoccl ") + op +
                                       ": only calls on XLA's stream "

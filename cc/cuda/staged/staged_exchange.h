@@ -37,12 +37,6 @@ std::string DescribeStagedFlag(uint64_t value);
 // async starts (lanes 1..kMaxAsyncLanes) are staged only where the kernel serves.
 bool StagedKernelServes(int n);
 
-// Whether captured calls on the exchange kernel alternate two slot sets by the parity of a
-// count the kernels keep on the device, instead of meeting their peers' arrival on one set
-// first (one flag exchange fewer per call): JAX_HOCCL_STAGED_CAPTURED_PARITY=1, off by
-// default until measured on GPUs. The same on every rank: set it for the whole job.
-bool StagedCapturedParity();
-
 // How many staged calls ran under stream capture (recorded into a CUDA graph) so far.
 uint64_t StagedCapturedCalls();
 

@@ -26,8 +26,8 @@ inline size_t StagedSlotBytes() {
 
 // Slot sets: two parities per lane for calls enqueued by the host (docs/design.md), and two
 // for the calls XLA captures into CUDA graphs (only XLA's stream, lane 0, is captured): the
-// first alone after an arrival exchange, or both by the parity of a count on the device
-// (StagedCapturedParity).
+// exchange kernel takes both by the parity of a count on the device, copy calls the first
+// alone after an arrival exchange.
 constexpr int kCapturedSet = 2 * kLanes;
 constexpr int kSlotSets = kCapturedSet + 2;
 inline int SlotSet(int lane, int parity) { return lane * 2 + parity; }
@@ -65,7 +65,7 @@ inline uint64_t* ArrivalFlag(char* base, int n, int sender) {
 inline unsigned int* CtasDone(char* base, int n, int lane) {
   return reinterpret_cast<unsigned int*>(StagedFlag(base, n, kSlotSets + 1, 0)) + lane;
 }
-// The count of captured calls this rank's exchange kernels ran (with StagedCapturedParity).
+// The count of captured calls this rank's exchange kernels ran.
 inline unsigned int* CapturedCount(char* base, int n) { return CtasDone(base, n, kLanes); }
 
 // The same layout as the exchange kernel reads it, for the group whose allocations (by rank)

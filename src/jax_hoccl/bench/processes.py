@@ -14,9 +14,8 @@ per peer staged) and JAX_HOCCL_STAGED_BYTES=0 (the per-call rendezvous: zero cop
 on a GPU also the staged calls as copy calls and stream memory operations instead of the
 exchange kernel (JAX_HOCCL_STAGED_KERNEL=0), the staged psum and psum_scatter summed inside
 the exchange kernel (JAX_HOCCL_STAGED_SUM=1), and both sums with XLA recording every program
-into a CUDA graph (CAPTURED_FLAG: staged calls are replayed, their handler runs once), the
-captured calls also with their slots by a count on the device
-(JAX_HOCCL_STAGED_CAPTURED_PARITY=1). A JAX_HOCCL_STAGED_BYTES set by the caller runs alone.
+into a CUDA graph (CAPTURED_FLAG: staged calls are replayed, their handler runs once). A
+JAX_HOCCL_STAGED_BYTES set by the caller runs alone.
 16 MiB per rank is above the crossover: both paths' rows are zero copy there. Without a GPU
 the jobs repeat (JOBS times: the machine may be shared) and a row pools their rounds. On a
 GPU a short job runs first under each MPS daemon, its rows dropped (WARM_UP).
@@ -29,8 +28,7 @@ Rows: {"op", "bytes_per_rank", "ranks", "mps", "path", "us_per_call", "baseline_
 calls took ("staged", "rendezvous" or "zero_copy", as the engine counted them on CPU); on a
 GPU's staged rows, "exchange": "kernel" or "copy_calls" (and for psum and psum_scatter "sum":
 "kernel" or "xla", who adds the blocks), and on a GPU "captured": whether XLA recorded the
-calls into CUDA graphs (and if so "captured_parity": whether they took their slots by a count
-on the device, JAX_HOCCL_STAGED_CAPTURED_PARITY=1). And "host_profile": the same calls' host
+calls into CUDA graphs. And "host_profile": the same calls' host
 time inside jax_hoccl's handlers by phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks), on
 each path.
 """
@@ -127,9 +125,6 @@ WORKER = textwrap.dedent("""
         if path == "staged":
             kernel = os.environ.get("JAX_HOCCL_STAGED_KERNEL") != "0"
             out["exchange"] = "kernel" if kernel else "copy_calls"
-            if out["captured"]:  # how captured calls pick their slots (staged_exchange.h)
-                out["captured_parity"] = (
-                    kernel and os.environ.get("JAX_HOCCL_STAGED_CAPTURED_PARITY") == "1")
             if op in ("psum", "psum_scatter"):  # who adds: the exchange kernel, or XLA after it
                 out["sum"] = ("kernel" if kernel and os.environ.get("JAX_HOCCL_STAGED_SUM") == "1"
                               else "xla")
@@ -169,17 +164,15 @@ def _run(n: int, env: dict):
 def _settings(gpu: bool, xla_flags: str) -> list[dict]:
   """The crossover of each job: the caller's, else the default and 0 (both paths); on a GPU
   also the staged path's copy-call exchange, the staged sums inside the exchange kernel
-  (JAX_HOCCL_STAGED_SUM=1), and every program in CUDA graphs with either sum, and with the
-  captured calls' slots by a count on the device (JAX_HOCCL_STAGED_CAPTURED_PARITY=1;
-  `xla_flags`: the jobs' XLA flags)."""
+  (JAX_HOCCL_STAGED_SUM=1), and every program in CUDA graphs with either sum (`xla_flags`: the
+  jobs' XLA flags)."""
   if os.environ.get("JAX_HOCCL_STAGED_BYTES"):
     return [{}]
   if not gpu:
     return [{}, {"JAX_HOCCL_STAGED_BYTES": "0"}]
   graphs = {"XLA_FLAGS": f"{xla_flags} {CAPTURED_FLAG}"}
   return [{}, {"JAX_HOCCL_STAGED_KERNEL": "0"}, {"JAX_HOCCL_STAGED_BYTES": "0"},
-          {"JAX_HOCCL_STAGED_SUM": "1"}, graphs, {**graphs, "JAX_HOCCL_STAGED_SUM": "1"},
-          {**graphs, "JAX_HOCCL_STAGED_CAPTURED_PARITY": "1"}]
+          {"JAX_HOCCL_STAGED_SUM": "1"}, graphs, {**graphs, "JAX_HOCCL_STAGED_SUM": "1"}]
 
 
 def _over_jobs(jobs: list[list[dict]]) -> list[dict]:
@@ -255,8 +248,7 @@ def run(out_dir: str, commit: str) -> str:
 
   for r in rows:
     spread = f"{r['spread_us'][0]:.0f}-{r['spread_us'][1]:.0f}"
-    path = label(r) + ("/graph" if r.get("captured") else "") + (
-        "/parity" if r.get("captured_parity") else "")
+    path = label(r) + ("/graph" if r.get("captured") else "")
     print(f"{r['op']:<13} {r['bytes_per_rank']:9d} {r['ranks']:5d} {path:<23} "
           f"{r['us_per_call']:9.1f} {spread:>15} {r['baseline_us_per_call']:9.1f} "
           f"{r['added_us_per_call']:8.1f}")

@@ -9,9 +9,7 @@ without a GPU, 2 processes of one CPU device each.
 Rows (from the rank that the collectives add most to; paired.py: paired rounds of the program
 with and without them, "added" the median of the rounds' differences, its quartiles beside),
 each with "staged_sum": whether the staged psums were summed inside the exchange kernel
-(JAX_HOCCL_STAGED_SUM=1; on a GPU every job runs with it off and on) and "captured_parity":
-whether captured calls took their slots by a count on the device
-(JAX_HOCCL_STAGED_CAPTURED_PARITY=1; on a GPU one more job with command buffers has it on):
+(JAX_HOCCL_STAGED_SUM=1; on a GPU every job runs with it off and on):
   "step": {"op", "layers", "ranks", "mps", "command_buffers", "us_per_step",
            "baseline_us_per_step", "added_us_per_step", "added_quartiles_us",
            "per_collective_us", "floor_us"}: L = 12 layers (64 x 1024 @ 1024 x 1024 bf16,
@@ -135,12 +133,10 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
   base.update(LAYERS=str(LAYERS), CHAIN=str(CHAIN), WIDTH=str(width), DECODE_K=str(decode_k),
               ROUNDS=str(ROUNDS), CALLS=str(CALLS))
   steps, latency, decode = [], [], []
-  # on a GPU each setting with the staged sums by XLA and inside the exchange kernel, and with
-  # command buffers, the captured calls' slots by a count on the device (parity)
-  jobs = ([(b, s, False) for b in (True, False) for s in (False, True)] + [(True, False, True)]
-          if gpu else [(False, False, False)])
+  # on a GPU each setting with the staged sums by XLA and inside the exchange kernel
+  jobs = [(b, s) for b in (True, False) for s in (False, True)] if gpu else [(False, False)]
   for n in ((2, 4) if gpu else (2,)):
-    for buffers, summed, parity in jobs:
+    for buffers, summed in jobs:
       with contextlib.ExitStack() as stack:
         if gpu:
           flags = "--xla_gpu_shard_autotuning=false"
@@ -153,9 +149,8 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
         if buffers or not gpu:
           env["CHAINS"] = "1"
         env["JAX_HOCCL_STAGED_SUM"] = "1" if summed else "0"
-        env["JAX_HOCCL_STAGED_CAPTURED_PARITY"] = "1" if parity else "0"
         rows, plat = _job(n, env)
-      common = dict(ranks=n, mps=gpu, staged_sum=summed, captured_parity=parity)
+      common = dict(ranks=n, mps=gpu, staged_sum=summed)
       for r in rows:
         if r["kind"] == "step":
           steps.append(dict(op=r["op"], layers=LAYERS, command_buffers=buffers, **common,
@@ -179,8 +174,8 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
             "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
             "jax": jax.__version__, "commit": commit, "date": str(datetime.date.today()),
             "step": steps, "device_latency": latency, "decode": decode}
-  def summed_by(r):  # who summed the staged psums; "+parity": captured slots by device count
-    return ("kernel" if r["staged_sum"] else "xla") + ("+parity" if r["captured_parity"] else "")
+  def summed_by(r):  # who summed the staged psums
+    return "kernel" if r["staged_sum"] else "xla"
 
   for r in steps:
     print(f"step {r['op']:<10} ranks {r['ranks']} graphs {str(r['command_buffers']):<5} "
