@@ -246,8 +246,12 @@ __global__ void __launch_bounds__(kThreads) ExchangeKernel(const StagedKernelArg
     if (atomicAdd(a.ctas_done, 1u) == gridDim.x - 1) {  // the grid's last CTA
       *a.ctas_done = 0;
       if (a.captured) *a.captured_count += 1;  // read by the next captured call's kernel
-      __threadfence_system();
-      if (a.progress_value) a.host->progress[a.lane] = a.progress_value;
+      // The count needs no fence: the next captured call's kernel follows in stream order.
+      // The host's progress word does (the watchdog reads it from the host).
+      if (a.progress_value) {
+        __threadfence_system();
+        a.host->progress[a.lane] = a.progress_value;
+      }
     }
   }
 }
