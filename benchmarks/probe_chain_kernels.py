@@ -1,0 +1,99 @@
+"""Where a staged collective's device time goes inside CUDA graphs: 2 processes share GPU 0
+under an MPS daemon of their own; each jits K chained (collective, * 0.5) at 4 KiB and 64 KiB
+per rank (psum, all_gather, ppermute; and `v + 1` alone), XLA's command buffers on. Prints,
+per rank, the wall time per op (20 calls back to back) and every kernel's CUPTI duration
+(jax's Mosaic GPU profiler, 5 calls): how many per op, the median, and the total per op (a
+total far above the median: a few waits on a late peer). The exchange kernel's median against
+a plain fusion's says what the protocol costs on the device.
+
+    PYTHONPATH=src python benchmarks/probe_chain_kernels.py [--sums 0,1]
+
+--sums: JAX_HOCCL_STAGED_SUM settings to run (psum summed by XLA, or inside the kernel).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import textwrap
+
+from jax_hoccl.launch import mps_daemon, run_workers
+
+WORKER = textwrap.dedent("""
+    import collections, json, os, statistics, sys, time
+    addr, me, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    import jax
+    jax.distributed.initialize(addr, num_processes=n, process_id=me, local_device_ids=[0])
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.experimental.mosaic.gpu import profiler
+    import jax_hoccl
+    K, CALLS, PROFILED = 50, 20, 5
+    mesh = jax.make_mesh((n,), ("x",))
+    shift = [(i, (i + 1) % n) for i in range(n)]
+    ops = {"psum": lambda v: jax_hoccl.psum(v, "x"),
+           "all_gather": lambda v: jax_hoccl.all_gather(v, "x", tiled=True)[:v.shape[0]],
+           "ppermute": lambda v: jax_hoccl.ppermute(v, "x", shift),
+           "none": lambda v: v + 1.0}
+    out = {}
+    for nbytes in (4096, 65536):
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")),
+                                                   np.ones((1, nbytes // 4), np.float32))
+        for name, op in ops.items():
+            def chain(v, op=op):
+                for _ in range(K):
+                    v = op(v) * 0.5
+                return v
+            f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                                      check_vma=False))
+            y = x
+            for _ in range(5):  # eager first, then XLA records its graphs
+                y = f(y).block_until_ready()
+            t0 = time.perf_counter()
+            for _ in range(CALLS):
+                y = f(y)
+            y.block_until_ready()
+            wall = (time.perf_counter() - t0) / CALLS / K * 1e6
+            _, timings = profiler.measure(f, aggregate=False, iterations=PROFILED)(y)
+            per = collections.defaultdict(list)
+            for call in timings:
+                for kernel, ms in call:
+                    per[kernel[:60]].append(ms * 1e3)
+            out[f"{name} {nbytes}"] = dict(
+                wall_us_per_op=wall,
+                kernels={k: [len(v) / PROFILED / K, statistics.median(v), sum(v) / PROFILED / K]
+                         for k, v in per.items()})
+    print("RESULT" + json.dumps(out), flush=True)
+    os._exit(0)
+""")
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--sums", default="0,1", help="JAX_HOCCL_STAGED_SUM settings to run")
+  a = ap.parse_args(argv)
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_HOCCL_NODE")}
+  env.update(PJRT_NPROC="16", JAX_HOCCL_TIMEOUT_S="60", XLA_PYTHON_CLIENT_MEM_FRACTION="0.3",
+             XLA_FLAGS="--xla_gpu_shard_autotuning=false")
+  failed = 0
+  for summed in a.sums.split(","):
+    with mps_daemon() as mps:
+      found = run_workers(WORKER, 2, {**env, **mps, "JAX_HOCCL_STAGED_SUM": summed}, 300)
+    for rank, (code, text) in enumerate(found):
+      lines = [line for line in text.splitlines() if line.startswith("RESULT")]
+      if not lines:
+        print(f"rank {rank} failed (exit {code}):\n{text[-2000:]}")
+        failed += 1
+        continue
+      print(f"== JAX_HOCCL_STAGED_SUM={summed}, rank {rank}")
+      for name, row in json.loads(lines[0][len("RESULT"):]).items():
+        print(f"  {name:18s} wall {row['wall_us_per_op']:6.1f} us per op")
+        for kernel, (count, median, total) in sorted(row["kernels"].items(),
+                                                     key=lambda kv: -kv[1][2]):
+          print(f"      {kernel:60s} x{count:4.2f} per op  median {median:6.2f} us  "
+                f"total per op {total:6.2f} us")
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
