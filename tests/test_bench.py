@@ -80,6 +80,11 @@ def test_per_call_rows_set_each_collective_beside_the_program_without_it(tmp_pat
     assert r["jobs"] == 1 and len(added) == processes.ROUNDS, r
     assert r["added_us_per_call"] == statistics.median(added), r
     assert min(added) <= r["spread_us"][0] <= r["added_us_per_call"] <= r["spread_us"][1], r
+    job = r["job_added_per_round_us"]  # the job's: each round's slowest rank with and without
+    assert len(job) == processes.ROUNDS and r["job_added_us_per_call"] == statistics.median(job)
+    assert len(r["us_per_call_by_rank"]) == len(r["baseline_us_per_call_by_rank"]) == 2, r
+    assert r["baseline_us_per_call"] in r["baseline_us_per_call_by_rank"], r
+    assert "us_per_round" not in r and "baseline_us_per_round" not in r, r
   assert isinstance(result["host_profile"], list)  # (phases are counted by the CUDA engine)
 
 
@@ -103,6 +108,10 @@ def test_steps_rows_set_each_step_beside_the_step_without_collectives(tmp_path, 
   assert sorted(r["op"] for r in result["device_latency"]) == ["all_gather", "psum"]
   decode = result["decode"]
   assert [r["rows"] for r in decode] == [1, 8, 64]
+  for r in rows + decode:  # beside the slowest rank's: the job's, and every rank's baseline
+    key = "job_added_us_per_step" if r in rows else "job_added_us_per_call"
+    assert isinstance(r[key], float), r
+    assert len(r.get("baseline_us_per_step_by_rank") or r["gemv_us_per_call_by_rank"]) == 2, r
   for r in decode:
     assert r["layers"] == steps.LAYERS and r["us_per_call"] > 0 and r["gemv_us_per_call"] > 0
     low, high = r["added_quartiles_us"]
@@ -165,3 +174,25 @@ def test_steps_on_a_gpu_time_both_sums_with_command_buffers_on_and_off(monkeypat
     assert len(mine) == 4, mine
     assert {(e["JAX_HOCCL_STAGED_SUM"], "--xla_gpu_enable_command_buffer=" in e["XLA_FLAGS"])
             for e in mine} == {(s, b) for s in ("0", "1") for b in (False, True)}
+
+
+def test_the_job_counts_a_rank_slow_on_its_own_once():
+  """ranks.with_job: rank 1 is 40 us slower per round with or without the collective, which
+  adds 5 us to rank 1 and, through the wait, 45 us to rank 0. The slowest rank's row says 45;
+  the job's rounds (slowest with minus slowest without) say 5."""
+  from jax_hoccl.bench import ranks
+
+  def row(ours, theirs):
+    return {"us_per_round": ours, "baseline_us_per_round": theirs,
+            "added_us": statistics.median([a - b for a, b in zip(ours, theirs)])}
+
+  fast = row([95.0, 96.0, 94.0], [50.0, 51.0, 49.0])
+  slow = row([95.0, 96.0, 94.0], [90.0, 91.0, 89.0])
+  plain = {"us": 9.5}  # a row without rounds (a chain's time) passes through
+  out = ranks.with_job([[fast, plain], [slow, plain]], ["added_us", "us"])
+  assert out[0]["added_us"] == 45.0  # rank 0's, the slowest by what the op adds to it
+  assert out[0]["job_added_per_round_us"] == [5.0, 5.0, 5.0]
+  assert out[0]["job_added_us"] == 5.0 and out[0]["job_added_quartiles_us"] == [5.0, 5.0]
+  assert out[0]["baseline_us_by_rank"] == [50.0, 90.0]
+  assert out[0]["us_by_rank"] == [95.0, 95.0]
+  assert "us_per_round" not in out[0] and out[1] == plain

@@ -36,8 +36,9 @@ def quartiles(values) -> list[float]:
 
 def paired(f, baseline, args, rounds: int = ROUNDS, calls: int = CALLS) -> dict:
   """{"us", "baseline_us": medians over the rounds; "added_us": the median of the rounds'
-  differences; "added_quartiles_us", "added_per_round_us"} for `f` and `baseline` called on
-  the same `args` (both compiled by a first call here)."""
+  differences; "added_quartiles_us", "added_per_round_us"; "us_per_round",
+  "baseline_us_per_round"} for `f` and `baseline` called on the same `args` (both compiled by
+  a first call here)."""
   f(*args).block_until_ready()
   baseline(*args).block_until_ready()
   ours, theirs = [], []
@@ -51,4 +52,4 @@ def paired(f, baseline, args, rounds: int = ROUNDS, calls: int = CALLS) -> dict:
   added = [a - b for a, b in zip(ours, theirs)]
   return {"us": statistics.median(ours), "baseline_us": statistics.median(theirs),
           "added_us": statistics.median(added), "added_quartiles_us": quartiles(added),
-          "added_per_round_us": added}
+          "added_per_round_us": added, "us_per_round": ours, "baseline_us_per_round": theirs}

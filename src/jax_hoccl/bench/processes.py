@@ -24,7 +24,11 @@ GPU a short job runs first under each MPS daemon, its rows dropped (WARM_UP).
 
 Rows: {"op", "bytes_per_rank", "ranks", "mps", "path", "us_per_call", "baseline_us_per_call",
 "added_us_per_call", "spread_us" (the quartiles of the rounds' differences),
-"added_per_round_us", "jobs"}, from the rank the op adds most to; "path" is the path the op's
+"added_per_round_us", "jobs"}, from the rank the op adds most to; beside them what the op adds
+to the job, each round's slowest rank with it minus its slowest rank without
+("job_added_us_per_call", "job_spread_us", "job_added_per_round_us": ranks.with_job; a rank
+slower on its own counts once, not as a cost to the peers that wait for it), and every rank's
+medians ("us_per_call_by_rank", "baseline_us_per_call_by_rank"); "path" is the path the op's
 calls took ("staged", "rendezvous" or "zero_copy", as the engine counted them on CPU); on a
 GPU's staged rows, "exchange": "kernel" or "copy_calls" (and for psum and psum_scatter "sum":
 "kernel" or "xla", who adds the blocks), and on a GPU "captured": whether XLA recorded the
@@ -146,7 +150,9 @@ WORKER = textwrap.dedent("""
             rows.append(dict(key, path=path, **gpu_fields(path, op, nbytes),
                              us_per_call=t["us"], baseline_us_per_call=t["baseline_us"],
                              added_us_per_call=t["added_us"],
-                             added_per_round_us=t["added_per_round_us"]))
+                             added_per_round_us=t["added_per_round_us"],
+                             us_per_round=t["us_per_round"],
+                             baseline_us_per_round=t["baseline_us_per_round"]))
     print("RESULT" + json.dumps({"rows": rows, "platform": jax.devices()[0].platform}), flush=True)
     os._exit(0)
 """)
@@ -158,7 +164,12 @@ def _run(n: int, env: dict):
   found = ranks.results(run_workers(WORKER, n, {**env, "PYTHONFAULTHANDLER": "1"}, 600))
   if env.get("JAX_HOCCL_PROFILE"):
     return found[0]["rows"], found[0]["platform"]  # rank 0's phases
-  return ranks.slowest_by([r["rows"] for r in found], ["added_us_per_call"]), found[0]["platform"]
+  rows = ranks.with_job([r["rows"] for r in found], ["added_us_per_call"])
+  for r in rows:  # the job's figures in this schema's names
+    r.update(job_added_us_per_call=r.pop("job_added_us"), job_spread_us=r.pop("job_added_quartiles_us"),
+             us_per_call_by_rank=r.pop("us_by_rank"),
+             baseline_us_per_call_by_rank=r.pop("baseline_us_by_rank"))
+  return rows, found[0]["platform"]
 
 
 def _settings(gpu: bool, xla_flags: str) -> list[dict]:
@@ -177,17 +188,22 @@ def _settings(gpu: bool, xla_flags: str) -> list[dict]:
 
 def _over_jobs(jobs: list[list[dict]]) -> list[dict]:
   """One row per op, size and path over jobs of the same setting: the medians over jobs of
-  the times, and the median and quartiles of every job's rounds' paired differences."""
+  the times (each rank's too), and the median and quartiles of every job's rounds' paired
+  differences (the slowest rank's, and the job's)."""
   import statistics
   out = []
   for per_job in zip(*jobs):
     added = [a for r in per_job for a in r["added_per_round_us"]]
+    job = [a for r in per_job for a in r["job_added_per_round_us"]]
+    by_rank = {k: [statistics.median(v) for v in zip(*(r[k] for r in per_job))]
+               for k in ("us_per_call_by_rank", "baseline_us_per_call_by_rank")}
     out.append(dict(
         per_job[0], jobs=len(per_job),
         us_per_call=statistics.median(r["us_per_call"] for r in per_job),
         baseline_us_per_call=statistics.median(r["baseline_us_per_call"] for r in per_job),
         added_us_per_call=statistics.median(added), spread_us=paired.quartiles(added),
-        added_per_round_us=added))
+        added_per_round_us=added, job_added_us_per_call=statistics.median(job),
+        job_spread_us=paired.quartiles(job), job_added_per_round_us=job, **by_rank))
   return out
 
 
@@ -241,7 +257,7 @@ def run(out_dir: str, commit: str) -> str:
             "per_call": rows,
             "host_profile": [dict(r, mps=gpu) for r in profile]}
   print(f"{'op':<13} {'per rank':>9} ranks {'path':<23} {'us/call':>9} {'added q1-q3':>15} "
-        f"{'without':>9} {'added':>8}")
+        f"{'without':>9} {'added':>8} {'job':>7}  without, by rank")
   def label(r):  # the path, the staged exchange and who summed: "staged/kernel/sum"
     return (r["path"] + (f"/{r['exchange']}" if "exchange" in r else "")
             + ("/sum" if r.get("sum") == "kernel" else ""))
@@ -251,7 +267,8 @@ def run(out_dir: str, commit: str) -> str:
     path = label(r) + ("/graph" if r.get("captured") else "")
     print(f"{r['op']:<13} {r['bytes_per_rank']:9d} {r['ranks']:5d} {path:<23} "
           f"{r['us_per_call']:9.1f} {spread:>15} {r['baseline_us_per_call']:9.1f} "
-          f"{r['added_us_per_call']:8.1f}")
+          f"{r['added_us_per_call']:8.1f} {r['job_added_us_per_call']:7.1f}  "
+          + " ".join(f"{b:.0f}" for b in r["baseline_us_per_call_by_rank"]))
   print("host time inside the handlers per call, 64 KiB, 2 ranks (JAX_HOCCL_PROFILE=1):")
   for r in result["host_profile"]:
     print(f"  {r['op']:<13} {label(r):<17} {r['phase']:<28} {r['us_per_call']:8.1f} us")

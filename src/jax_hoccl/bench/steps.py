@@ -12,16 +12,20 @@ each with "staged_sum": whether the staged psums were summed inside the exchange
 (JAX_HOCCL_STAGED_SUM=1; on a GPU every job runs with it off and on):
   "step": {"op", "layers", "ranks", "mps", "command_buffers", "us_per_step",
            "baseline_us_per_step", "added_us_per_step", "added_quartiles_us",
-           "per_collective_us", "floor_us"}: L = 12 layers (64 x 1024 @ 1024 x 1024 bf16,
-           gelu; 128 wide without a GPU), a collective after each (or none: the baseline);
-           per_collective_us = added_us_per_step / L.
+           "per_collective_us", "job_added_us_per_step", "job_per_collective_us",
+           "baseline_us_per_step_by_rank", "floor_us"}: L = 12 layers (64 x 1024 @
+           1024 x 1024 bf16, gelu; 128 wide without a GPU), a collective after each (or none:
+           the baseline); per_collective_us = added_us_per_step / L.
   "device_latency": {"op", "bytes_per_rank", "ranks", "mps", "us_per_op", "floor_us"}: K = 50
            dependent collectives in one jit, divided by K.
   "decode": {"op": "matmul_psum", "rows", "k", "n", "layers", "ranks", "mps", "us_per_call",
-           "gemv_us_per_call", "added_us_per_call", "added_quartiles_us"}: a decode step of
+           "gemv_us_per_call", "added_us_per_call", "added_quartiles_us",
+           "job_added_us_per_call", "gemv_us_per_call_by_rank"}: a decode step of
            L layers, each the fused GEMV + psum (weights split by rows, K = N = 8192; 512
            without a GPU; one weight for every layer), beside the same step of GEMVs alone;
            per layer.
+"job_*": what the collectives add to the job, each round's slowest rank with them minus its
+slowest rank without (ranks.with_job), "*_by_rank": every rank's median.
 floor_us: the staged one-hop exchange's device-bound floor measured beside this run, if given.
 """
 from __future__ import annotations
@@ -119,7 +123,7 @@ WORKER = textwrap.dedent("""
 
 def _job(n: int, env: dict) -> tuple[list, str]:
   found = ranks.results(run_workers(WORKER, n, {**env, "PYTHONFAULTHANDLER": "1"}, 600))
-  return ranks.slowest_by([f["rows"] for f in found], ["added_us", "us"]), found[0]["platform"]
+  return ranks.with_job([f["rows"] for f in found], ["added_us", "us"]), found[0]["platform"]
 
 
 def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
@@ -157,7 +161,11 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
                             us_per_step=r["us"], baseline_us_per_step=r["baseline_us"],
                             added_us_per_step=r["added_us"],
                             added_quartiles_us=r["added_quartiles_us"],
-                            per_collective_us=r["added_us"] / LAYERS, floor_us=floor_us))
+                            per_collective_us=r["added_us"] / LAYERS,
+                            job_added_us_per_step=r["job_added_us"],
+                            job_per_collective_us=r["job_added_us"] / LAYERS,
+                            baseline_us_per_step_by_rank=r["baseline_us_by_rank"],
+                            floor_us=floor_us))
         elif r["kind"] == "device_latency":
           latency.append(dict(op=r["op"], bytes_per_rank=r["bytes_per_rank"], **common,
                               us_per_op=r["us"], floor_us=floor_us))
@@ -166,7 +174,10 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
                              layers=LAYERS, us_per_call=r["us"] / LAYERS,
                              gemv_us_per_call=r["baseline_us"] / LAYERS,
                              added_us_per_call=r["added_us"] / LAYERS,
-                             added_quartiles_us=[q / LAYERS for q in r["added_quartiles_us"]]))
+                             added_quartiles_us=[q / LAYERS for q in r["added_quartiles_us"]],
+                             job_added_us_per_call=r["job_added_us"] / LAYERS,
+                             gemv_us_per_call_by_rank=[b / LAYERS
+                                                       for b in r["baseline_us_by_rank"]]))
   import jax
   result = {"what": "steps of small layers with and without collectives, device time per "
                     "collective in a chain, decode's GEMV + psum (jax_hoccl/bench/steps.py)",
@@ -183,7 +194,7 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
           f"{r['us_per_step']:8.1f} us, without {r['baseline_us_per_step']:8.1f}, "
           f"{r['per_collective_us']:6.1f} us per collective "
           f"(q1-q3 {r['added_quartiles_us'][0] / LAYERS:.1f}-"
-          f"{r['added_quartiles_us'][1] / LAYERS:.1f})")
+          f"{r['added_quartiles_us'][1] / LAYERS:.1f}; job {r['job_per_collective_us']:.1f})")
   for r in latency:
     print(f"chain {r['op']:<10} ranks {r['ranks']} sum {summed_by(r):<12} "
           f"{r['us_per_op']:8.1f} us per op "
@@ -192,7 +203,8 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
     print(f"decode matmul_psum rows {r['rows']:<3} ranks {r['ranks']} "
           f"sum {summed_by(r):<12} {r['us_per_call']:8.1f} us, "
           f"GEMV alone {r['gemv_us_per_call']:8.1f} us, added {r['added_us_per_call']:6.1f} us "
-          f"(q1-q3 {r['added_quartiles_us'][0]:.1f}-{r['added_quartiles_us'][1]:.1f})")
+          f"(q1-q3 {r['added_quartiles_us'][0]:.1f}-{r['added_quartiles_us'][1]:.1f}; "
+          f"job {r['job_added_us_per_call']:.1f})")
   os.makedirs(out_dir, exist_ok=True)
   name = os.path.join(out_dir, f"{result['date']}-{'1xH200' if gpu else 'cpu'}-steps.json")
   with open(name, "w") as f:
