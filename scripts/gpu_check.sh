@@ -2,7 +2,9 @@
 # One call on a multi-GPU machine: build jax_hoccl with its CUDA engine, run the GPU tests,
 # count kernels per op with ncu, run the benchmark (results JSON under benchmarks/results/,
 # copied to $OUT when set), and print a short summary table last.
-#   bash scripts/gpu_check.sh [--quick | --no-bench | --bench-only | --fused-only]
+#   bash scripts/gpu_check.sh [--quick | --no-bench | --bench-only | --fused-only | --staged]
+# --staged (one GPU, about 8 minutes): the staged path's GPU tests under MPS, where a captured
+# call's device time goes (benchmarks/probe_chain_kernels.py), bench --steps, bench --processes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -14,6 +16,7 @@ case "$QUICK" in
   --bench-only) PHASE=bench; QUICK="";;
   --no-bench) PHASE=tests; QUICK="";;
   --fused-only) PHASE=bench; QUICK="--fused-only";;  # build + the fused section (~1 min)
+  --staged) PHASE=staged; QUICK="";;
 esac
 OUTDIR=${OUT:-/tmp/jax_hoccl_gpu_check}
 mkdir -p "$OUTDIR"
@@ -32,6 +35,28 @@ else
   tail -40 "$OUTDIR/build.log"; echo "BUILD FAILED"; exit 1
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -8
+
+if [ "$PHASE" = staged ]; then
+  echo "== the staged path's GPU tests (2 and 4 processes under MPS, CUDA graphs, an absent peer)"
+  timeout 170 $PY -m pytest tests/test_gpu_multiprocess.py -q -p no:cacheprovider -k \
+    "cuda_graphs or captured_call or (staged_path_under_mps and exchange_kernel)" 2>&1 |
+    tee "$OUTDIR/staged_tests.log" | grep -E "TIME|passed|failed|Error" | tail -12
+  SUMMARY+=("staged tests: $(grep -E '(passed|failed|error)' "$OUTDIR/staged_tests.log" | tail -1)")
+  echo "== where a captured call's device time goes"
+  timeout 60 $PY benchmarks/probe_chain_kernels.py --sums 0 2>&1 | tee "$OUTDIR/chain_kernels.log" |
+    grep -E "==|wall|exchange"
+  echo "== steps of small layers and decode across processes, 2 and 4 ranks under MPS"
+  timeout 180 $PY -m jax_hoccl.bench --steps --out benchmarks/results 2>&1 |
+    tee "$OUTDIR/steps.log" | grep -E "^(step|chain|decode)"
+  echo "== per call across processes, 2 and 4 ranks under MPS"
+  timeout 180 $PY -m jax_hoccl.bench --processes --out benchmarks/results 2>&1 |
+    tee "$OUTDIR/per_call.log" | sed -n '/^op /,/^host time/p'
+  cp benchmarks/results/*.json "$OUTDIR/" 2>/dev/null
+  echo
+  echo "================ summary ================"
+  printf '%s\n' "${SUMMARY[@]}"
+  exit 0
+fi
 
 if [ "$PHASE" != bench ]; then
 echo "== ipc_memory_test (cc/cuda/ipc_memory_test.cc: two processes, one GPU)"
