@@ -83,6 +83,7 @@ def test_per_call_rows_set_each_collective_beside_the_program_without_it(tmp_pat
     job = r["job_added_per_round_us"]  # the job's: each round's slowest rank with and without
     assert len(job) == processes.ROUNDS and r["job_added_us_per_call"] == statistics.median(job)
     assert len(r["us_per_call_by_rank"]) == len(r["baseline_us_per_call_by_rank"]) == 2, r
+    assert all(c > 0 for c in r["cpu_us_per_call_by_rank"] + r["baseline_cpu_us_per_call_by_rank"])
     assert r["baseline_us_per_call"] in r["baseline_us_per_call_by_rank"], r
     assert "us_per_round" not in r and "baseline_us_per_round" not in r, r
   assert isinstance(result["host_profile"], list)  # (phases are counted by the CUDA engine)
@@ -112,6 +113,7 @@ def test_steps_rows_set_each_step_beside_the_step_without_collectives(tmp_path, 
     key = "job_added_us_per_step" if r in rows else "job_added_us_per_call"
     assert isinstance(r[key], float), r
     assert len(r.get("baseline_us_per_step_by_rank") or r["gemv_us_per_call_by_rank"]) == 2, r
+    assert len(r.get("cpu_us_per_step_by_rank") or r["cpu_us_per_call_by_rank"]) == 2, r
   for r in decode:
     assert r["layers"] == steps.LAYERS and r["us_per_call"] > 0 and r["gemv_us_per_call"] > 0
     low, high = r["added_quartiles_us"]
@@ -183,7 +185,8 @@ def test_the_job_counts_a_rank_slow_on_its_own_once():
   from jax_hoccl.bench import ranks
 
   def row(ours, theirs):
-    return {"us_per_round": ours, "baseline_us_per_round": theirs,
+    return {"us_per_round": ours, "baseline_us_per_round": theirs, "cpu_us": ours[0] / 2,
+            "baseline_cpu_us": theirs[0] / 2,
             "added_us": statistics.median([a - b for a, b in zip(ours, theirs)])}
 
   fast = row([95.0, 96.0, 94.0], [50.0, 51.0, 49.0])
@@ -195,4 +198,5 @@ def test_the_job_counts_a_rank_slow_on_its_own_once():
   assert out[0]["job_added_us"] == 5.0 and out[0]["job_added_quartiles_us"] == [5.0, 5.0]
   assert out[0]["baseline_us_by_rank"] == [50.0, 90.0]
   assert out[0]["us_by_rank"] == [95.0, 95.0]
-  assert "us_per_round" not in out[0] and out[1] == plain
+  assert out[0]["baseline_cpu_us_by_rank"] == [25.0, 45.0]
+  assert "us_per_round" not in out[0] and "cpu_us" not in out[0] and out[1] == plain

@@ -15,15 +15,17 @@ ROUNDS = 12
 CALLS = 200
 
 
-def _round_us(f, args, calls: int) -> float:
-  """Time per call of `calls` calls back to back (each call's output the next one's first
-  argument), waited for at the end; after one call waited for (see the module's doc)."""
+def _round_us(f, args, calls: int) -> tuple[float, float]:
+  """Wall time and the process's CPU time (every thread's) per call of `calls` calls back to
+  back (each call's output the next one's first argument), waited for at the end; after one
+  call waited for (see the module's doc). CPU time well below the wall time: the process
+  waited (for its GPU, or a peer); close to it: the host's own work set the pace."""
   y = f(*args).block_until_ready()
-  t0 = time.perf_counter()
+  t0, c0 = time.perf_counter(), time.process_time()
   for _ in range(calls):
     y = f(y, *args[1:])
   y.block_until_ready()
-  return (time.perf_counter() - t0) / calls * 1e6
+  return ((time.perf_counter() - t0) / calls * 1e6, (time.process_time() - c0) / calls * 1e6)
 
 
 def quartiles(values) -> list[float]:
@@ -37,19 +39,19 @@ def quartiles(values) -> list[float]:
 def paired(f, baseline, args, rounds: int = ROUNDS, calls: int = CALLS) -> dict:
   """{"us", "baseline_us": medians over the rounds; "added_us": the median of the rounds'
   differences; "added_quartiles_us", "added_per_round_us"; "us_per_round",
-  "baseline_us_per_round"} for `f` and `baseline` called on the same `args` (both compiled by
-  a first call here)."""
+  "baseline_us_per_round"; "cpu_us", "baseline_cpu_us": the medians of the process's CPU time
+  per call} for `f` and `baseline` called on the same `args` (both compiled by a first call
+  here)."""
   f(*args).block_until_ready()
   baseline(*args).block_until_ready()
-  ours, theirs = [], []
+  timed = ([], [])  # (wall, CPU) per round: f's, the baseline's
   for i in range(rounds):
-    if i % 2:
-      ours.append(_round_us(f, args, calls))
-      theirs.append(_round_us(baseline, args, calls))
-    else:
-      theirs.append(_round_us(baseline, args, calls))
-      ours.append(_round_us(f, args, calls))
+    for j in ((0, 1) if i % 2 else (1, 0)):
+      timed[j].append(_round_us((f, baseline)[j], args, calls))
+  ours, theirs = [w for w, _ in timed[0]], [w for w, _ in timed[1]]
   added = [a - b for a, b in zip(ours, theirs)]
   return {"us": statistics.median(ours), "baseline_us": statistics.median(theirs),
           "added_us": statistics.median(added), "added_quartiles_us": quartiles(added),
-          "added_per_round_us": added, "us_per_round": ours, "baseline_us_per_round": theirs}
+          "added_per_round_us": added, "us_per_round": ours, "baseline_us_per_round": theirs,
+          "cpu_us": statistics.median(c for _, c in timed[0]),
+          "baseline_cpu_us": statistics.median(c for _, c in timed[1])}

@@ -28,7 +28,8 @@ Rows: {"op", "bytes_per_rank", "ranks", "mps", "path", "us_per_call", "baseline_
 to the job, each round's slowest rank with it minus its slowest rank without
 ("job_added_us_per_call", "job_spread_us", "job_added_per_round_us": ranks.with_job; a rank
 slower on its own counts once, not as a cost to the peers that wait for it), and every rank's
-medians ("us_per_call_by_rank", "baseline_us_per_call_by_rank"); "path" is the path the op's
+medians ("us_per_call_by_rank", "baseline_us_per_call_by_rank", and its process's CPU time
+per call: "cpu_us_per_call_by_rank", "baseline_cpu_us_per_call_by_rank"); "path" is the path the op's
 calls took ("staged", "rendezvous" or "zero_copy", as the engine counted them on CPU); on a
 GPU's staged rows, "exchange": "kernel" or "copy_calls" (and for psum and psum_scatter "sum":
 "kernel" or "xla", who adds the blocks), and on a GPU "captured": whether XLA recorded the
@@ -152,7 +153,8 @@ WORKER = textwrap.dedent("""
                              added_us_per_call=t["added_us"],
                              added_per_round_us=t["added_per_round_us"],
                              us_per_round=t["us_per_round"],
-                             baseline_us_per_round=t["baseline_us_per_round"]))
+                             baseline_us_per_round=t["baseline_us_per_round"],
+                             cpu_us=t["cpu_us"], baseline_cpu_us=t["baseline_cpu_us"]))
     print("RESULT" + json.dumps({"rows": rows, "platform": jax.devices()[0].platform}), flush=True)
     os._exit(0)
 """)
@@ -168,7 +170,9 @@ def _run(n: int, env: dict):
   for r in rows:  # the job's figures in this schema's names
     r.update(job_added_us_per_call=r.pop("job_added_us"), job_spread_us=r.pop("job_added_quartiles_us"),
              us_per_call_by_rank=r.pop("us_by_rank"),
-             baseline_us_per_call_by_rank=r.pop("baseline_us_by_rank"))
+             baseline_us_per_call_by_rank=r.pop("baseline_us_by_rank"),
+             cpu_us_per_call_by_rank=r.pop("cpu_us_by_rank"),
+             baseline_cpu_us_per_call_by_rank=r.pop("baseline_cpu_us_by_rank"))
   return rows, found[0]["platform"]
 
 
@@ -196,7 +200,8 @@ def _over_jobs(jobs: list[list[dict]]) -> list[dict]:
     added = [a for r in per_job for a in r["added_per_round_us"]]
     job = [a for r in per_job for a in r["job_added_per_round_us"]]
     by_rank = {k: [statistics.median(v) for v in zip(*(r[k] for r in per_job))]
-               for k in ("us_per_call_by_rank", "baseline_us_per_call_by_rank")}
+               for k in ("us_per_call_by_rank", "baseline_us_per_call_by_rank",
+                         "cpu_us_per_call_by_rank", "baseline_cpu_us_per_call_by_rank")}
     out.append(dict(
         per_job[0], jobs=len(per_job),
         us_per_call=statistics.median(r["us_per_call"] for r in per_job),

@@ -46,12 +46,14 @@ def with_job(rows_per_rank, keys) -> list[dict]:
   program adds to the job as a whole: a round of either program on every rank ends with its
   slowest rank, so each round's slowest time with the collective minus its slowest time
   without ("job_added_us", the median over rounds; "job_added_quartiles_us",
-  "job_added_per_round_us"), and every rank's medians ("us_by_rank", "baseline_us_by_rank").
+  "job_added_per_round_us"), and every rank's medians ("us_by_rank", "baseline_us_by_rank",
+  and its process's CPU time per call: "cpu_us_by_rank", "baseline_cpu_us_by_rank").
   A rank slower on its own than its peers then counts once, not as what the collective adds
   to the others, which wait for it. The rounds' own lists are dropped."""
   rows = []
   for row, per_rank in zip(slowest_by(rows_per_rank, keys), zip(*rows_per_rank)):
-    row = {k: v for k, v in row.items() if k not in ("us_per_round", "baseline_us_per_round")}
+    row = {k: v for k, v in row.items()
+           if k not in ("us_per_round", "baseline_us_per_round", "cpu_us", "baseline_cpu_us")}
     if "us_per_round" in per_rank[0]:
       ours = [max(rounds) for rounds in zip(*(r["us_per_round"] for r in per_rank))]
       theirs = [max(rounds) for rounds in zip(*(r["baseline_us_per_round"] for r in per_rank))]
@@ -60,6 +62,8 @@ def with_job(rows_per_rank, keys) -> list[dict]:
                  job_added_quartiles_us=paired.quartiles(added), job_added_per_round_us=added,
                  us_by_rank=[statistics.median(r["us_per_round"]) for r in per_rank],
                  baseline_us_by_rank=[statistics.median(r["baseline_us_per_round"])
-                                      for r in per_rank])
+                                      for r in per_rank],
+                 cpu_us_by_rank=[r["cpu_us"] for r in per_rank],
+                 baseline_cpu_us_by_rank=[r["baseline_cpu_us"] for r in per_rank])
     rows.append(row)
   return rows

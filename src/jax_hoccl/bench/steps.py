@@ -13,19 +13,21 @@ each with "staged_sum": whether the staged psums were summed inside the exchange
   "step": {"op", "layers", "ranks", "mps", "command_buffers", "us_per_step",
            "baseline_us_per_step", "added_us_per_step", "added_quartiles_us",
            "per_collective_us", "job_added_us_per_step", "job_per_collective_us",
-           "baseline_us_per_step_by_rank", "floor_us"}: L = 12 layers (64 x 1024 @
+           "baseline_us_per_step_by_rank", "cpu_us_per_step_by_rank",
+           "baseline_cpu_us_per_step_by_rank", "floor_us"}: L = 12 layers (64 x 1024 @
            1024 x 1024 bf16, gelu; 128 wide without a GPU), a collective after each (or none:
            the baseline); per_collective_us = added_us_per_step / L.
   "device_latency": {"op", "bytes_per_rank", "ranks", "mps", "us_per_op", "floor_us"}: K = 50
            dependent collectives in one jit, divided by K.
   "decode": {"op": "matmul_psum", "rows", "k", "n", "layers", "ranks", "mps", "us_per_call",
            "gemv_us_per_call", "added_us_per_call", "added_quartiles_us",
-           "job_added_us_per_call", "gemv_us_per_call_by_rank"}: a decode step of
-           L layers, each the fused GEMV + psum (weights split by rows, K = N = 8192; 512
-           without a GPU; one weight for every layer), beside the same step of GEMVs alone;
-           per layer.
+           "job_added_us_per_call", "gemv_us_per_call_by_rank", "cpu_us_per_call_by_rank"}:
+           a decode step of L layers, each the fused GEMV + psum (weights split by rows,
+           K = N = 8192; 512 without a GPU; one weight for every layer), beside the same
+           step of GEMVs alone; per layer.
 "job_*": what the collectives add to the job, each round's slowest rank with them minus its
-slowest rank without (ranks.with_job), "*_by_rank": every rank's median.
+slowest rank without (ranks.with_job), "*_by_rank": every rank's median ("cpu_*": its
+process's CPU time; well below the wall time, the rank waited).
 floor_us: the staged one-hop exchange's device-bound floor measured beside this run, if given.
 """
 from __future__ import annotations
@@ -165,6 +167,8 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
                             job_added_us_per_step=r["job_added_us"],
                             job_per_collective_us=r["job_added_us"] / LAYERS,
                             baseline_us_per_step_by_rank=r["baseline_us_by_rank"],
+                            cpu_us_per_step_by_rank=r["cpu_us_by_rank"],
+                            baseline_cpu_us_per_step_by_rank=r["baseline_cpu_us_by_rank"],
                             floor_us=floor_us))
         elif r["kind"] == "device_latency":
           latency.append(dict(op=r["op"], bytes_per_rank=r["bytes_per_rank"], **common,
@@ -177,7 +181,8 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
                              added_quartiles_us=[q / LAYERS for q in r["added_quartiles_us"]],
                              job_added_us_per_call=r["job_added_us"] / LAYERS,
                              gemv_us_per_call_by_rank=[b / LAYERS
-                                                       for b in r["baseline_us_by_rank"]]))
+                                                       for b in r["baseline_us_by_rank"]],
+                             cpu_us_per_call_by_rank=[c / LAYERS for c in r["cpu_us_by_rank"]]))
   import jax
   result = {"what": "steps of small layers with and without collectives, device time per "
                     "collective in a chain, decode's GEMV + psum (jax_hoccl/bench/steps.py)",
