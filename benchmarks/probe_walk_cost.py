@@ -11,7 +11,13 @@ the next, the ratio much less), and the median of the rounds' ratios is reported
 spread, (max - min) / median of those ratios.
 
   python benchmarks/probe_walk_cost.py [--m 4096,16384] [--ranks 2,4] [--rounds 12]
-      [--calls 5] [--groups 1,2] [--bands 8,16] [--compare-at 4096] [--json OUT.json]
+      [--calls 5] [--groups 1,2] [--bands 8,16] [--compare-at 4096] [--paired] [--json OUT.json]
+
+--paired runs XLA's dot and the program back to back in one jit and takes each call's ratio
+of their kernels (the program's kernels named as when it runs alone, the dot the longest of
+the others): the two see the same clocks, where rounds of each in turn saw clocks drift
+between them (at M = 16384 the rounds' ratios spread 6-8%). A round's ratio is then the
+median of its calls'; the rows say "paired": true.
 
 --groups measures each walk with those tiles per claim (flagged_gemm.CLAIM_GROUP), --bands with
 those row tiles per band (flagged_gemm.BAND_TILES), each beside the module's other setting, at
@@ -129,6 +135,51 @@ def gemm_us(exe, args, calls):
   return statistics.median(max(t for _, t in kernels) for kernels in per_call) * 1e3
 
 
+def kernel_names(exe, args):
+  """The names of the kernels one call of `exe` launches."""
+  _, per_call = profiler.measure(exe, iterations=2, aggregate=False)(*args)
+  return {name for name, _ in per_call[0]}
+
+
+def paired_ratios(exe, args, own, calls):
+  """Per call of `exe` (XLA's dot and a program in one jit): (the program's kernel time, the
+  dot's, in us), the program's the longest kernel named in `own`, the dot's the longest of
+  the rest."""
+  _, per_call = profiler.measure(exe, iterations=max(calls, 2), aggregate=False)(*args)
+  out = []
+  for kernels in per_call:
+    mine = [t for name, t in kernels if name in own]
+    dot = [t for name, t in kernels if name not in own]
+    if not mine or not dot:
+      raise RuntimeError(f"cannot tell the program's kernels {sorted(own)} from the dot's in "
+                         f"{[name for name, _ in kernels]}")
+    out.append((max(mine) * 1e3, max(dot) * 1e3))
+  return out
+
+
+def beside_dot(progs):
+  """{name: program} of each program but XLA's dot, in one jit with the dot before it."""
+  dot_args = progs["xla dot"][4]
+  return {k: (op, n, settings, jax.jit(lambda x, w, *args, f=f: (x @ w, f(*args))),
+              dot_args + args)
+          for k, (op, n, settings, f, args) in progs.items() if k != "xla dot"}
+
+
+def measure_paired(progs, exes, pairs, paired_exes, rounds, calls):
+  """{name: per-round (ratio, program us, dot us)}: rounds of every program beside XLA's dot
+  in one jit (beside_dot), in an order rotated each round; a round's figures are the medians
+  of its calls'. The program's kernels are those it launches alone (`exes`)."""
+  names = list(pairs)
+  own = {k: kernel_names(exes[k], progs[k][4]) for k in names}
+  times = {k: [] for k in names}
+  for r in range(rounds):
+    for k in names[r % len(names):] + names[:r % len(names)]:
+      got = paired_ratios(paired_exes[k], pairs[k][4], own[k], calls)
+      times[k].append((statistics.median(p / d for p, d in got),
+                       statistics.median(p for p, _ in got), statistics.median(d for _, d in got)))
+  return times
+
+
 def measure(progs, exes, rounds, calls):
   """{name: per-round times}: rounds of every program, in an order rotated each round."""
   names = list(progs)
@@ -159,6 +210,8 @@ def main(argv=None):
   ap.add_argument("--groups", default="", help="tiles per claim to compare, e.g. 1,2")
   ap.add_argument("--bands", default="", help="row tiles per band to compare, e.g. 8,16")
   ap.add_argument("--compare-at", default="4096", help="the M where they are compared")
+  ap.add_argument("--paired", action="store_true",
+                  help="each call beside XLA's dot in one jit (see above)")
   ap.add_argument("--json", default="", help="write the walk_cost rows here")
   a = ap.parse_args(argv)
   own = (fg.CLAIM_GROUP, fg.BAND_TILES)
@@ -184,21 +237,30 @@ def main(argv=None):
         err = float(jnp.max(jnp.abs(exes[k](*args).astype(jnp.float32) - ref)))
         if err > 0.1:
           raise AssertionError(f"{k}: differs from XLA's dot by {err}")
-    times = measure(progs, exes, a.rounds, a.calls)
-    print(f"M={m_total} K={K} N={N}: {a.rounds} rounds of {a.calls} calls", flush=True)
-    for k, (op, n, settings, _, _) in progs.items():
-      ratios = [t / t_xla for t, t_xla in zip(times[k], times["xla dot"])]
+    if a.paired:
+      pairs = beside_dot(progs)
+      rounds = measure_paired(progs, exes, pairs, compile_all(pairs), a.rounds, a.calls)
+      # (ratios, the program's time, the dot's) per round
+      times = {k: ([q for q, _, _ in v], [t for _, t, _ in v], [d for _, _, d in v])
+               for k, v in rounds.items()}
+    else:
+      plain = measure(progs, exes, a.rounds, a.calls)
+      times = {k: ([t / t_xla for t, t_xla in zip(v, plain["xla dot"])], v, plain["xla dot"])
+               for k, v in plain.items() if k != "xla dot"}
+    print(f"M={m_total} K={K} N={N}: {a.rounds} rounds of {a.calls} calls"
+          + (", each beside XLA's dot" if a.paired else ""), flush=True)
+    for k, (ratios, t, t_xla) in times.items():
+      op, n, settings, _, _ = progs[k]
       ratio = statistics.median(ratios)
       spread = (max(ratios) - min(ratios)) / ratio
-      t_us = statistics.median(times[k])
+      t_us = statistics.median(t)
       print(f"  {k:40s} {t_us:8.1f} us  {ratio:.3f}x XLA's dot time  (spread {spread:.1%})",
             flush=True)
-      if op != "xla_dot":
-        rows.append(dict(op=op, m=m_total, k=K, n=N, ranks=n, ratio_to_xla_dot=ratio,
-                         spread=spread, time_us=t_us, xla_dot_us=statistics.median(
-                             times["xla dot"]), claim_group=settings.get("CLAIM_GROUP"),
-                         band_tiles=settings.get("BAND_TILES"), rounds=a.rounds,
-                         calls=a.calls))
+      rows.append(dict(op=op, m=m_total, k=K, n=N, ranks=n, ratio_to_xla_dot=ratio,
+                       spread=spread, time_us=t_us, xla_dot_us=statistics.median(t_xla),
+                       claim_group=settings.get("CLAIM_GROUP"),
+                       band_tiles=settings.get("BAND_TILES"), rounds=a.rounds, calls=a.calls,
+                       paired=a.paired))
     del exes, progs
     if a.json:  # after each M: a run cut short keeps what it measured
       write_json(a.json, rows)
