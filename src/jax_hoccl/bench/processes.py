@@ -15,10 +15,10 @@ on a GPU also the staged calls as copy calls and stream memory operations instea
 exchange kernel (JAX_HOCCL_STAGED_KERNEL=0), the staged psum and psum_scatter summed inside
 the exchange kernel (JAX_HOCCL_STAGED_SUM=1), and both sums with XLA recording every program
 into a CUDA graph (CAPTURED_FLAG: staged calls are replayed, their handler runs once). A
-JAX_HOCCL_STAGED_BYTES set by the caller runs alone.
-16 MiB per rank is above the crossover: both paths' rows are zero copy there. Without a GPU
-the jobs repeat (JOBS times: the machine may be shared) and a row pools their rounds. On a
-GPU a short job runs first under each MPS daemon, its rows dropped (WARM_UP).
+JAX_HOCCL_STAGED_BYTES set by the caller runs alone. 16 MiB per rank is above the crossover:
+both paths' rows are zero copy there. Without a GPU the jobs repeat (JOBS times: the machine
+may be shared) and a row pools their rounds. On a GPU a short job runs first under each MPS
+daemon, its rows dropped (WARM_UP).
 
     python -m jax_hoccl.bench --processes [--out DIR]
 
@@ -29,13 +29,12 @@ to the job, each round's slowest rank with it minus its slowest rank without
 ("job_added_us_per_call", "job_spread_us", "job_added_per_round_us": ranks.with_job; a rank
 slower on its own counts once, not as a cost to the peers that wait for it), and every rank's
 medians ("us_per_call_by_rank", "baseline_us_per_call_by_rank", and its process's CPU time
-per call: "cpu_us_per_call_by_rank", "baseline_cpu_us_per_call_by_rank"); "path" is the path the op's
-calls took ("staged", "rendezvous" or "zero_copy", as the engine counted them on CPU); on a
-GPU's staged rows, "exchange": "kernel" or "copy_calls" (and for psum and psum_scatter "sum":
-"kernel" or "xla", who adds the blocks), and on a GPU "captured": whether XLA recorded the
-calls into CUDA graphs. And "host_profile": the same calls' host
-time inside jax_hoccl's handlers by phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks), on
-each path.
+per call: "cpu_us_per_call_by_rank", "baseline_cpu_us_per_call_by_rank"); "path" is the path
+the op's calls took ("staged", "rendezvous" or "zero_copy", as the engine counted them on
+CPU); on a GPU's staged rows, "exchange": "kernel" or "copy_calls" (and for psum and
+psum_scatter "sum": "kernel" or "xla", who adds the blocks), and on a GPU "captured": whether
+XLA recorded the calls into CUDA graphs. And "host_profile": the same calls' host time inside
+jax_hoccl's handlers by phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks), on each path.
 """
 from __future__ import annotations
 
@@ -168,7 +167,8 @@ def _run(n: int, env: dict):
     return found[0]["rows"], found[0]["platform"]  # rank 0's phases
   rows = ranks.with_job([r["rows"] for r in found], ["added_us_per_call"])
   for r in rows:  # the job's figures in this schema's names
-    r.update(job_added_us_per_call=r.pop("job_added_us"), job_spread_us=r.pop("job_added_quartiles_us"),
+    r.update(job_added_us_per_call=r.pop("job_added_us"),
+             job_spread_us=r.pop("job_added_quartiles_us"),
              us_per_call_by_rank=r.pop("us_by_rank"),
              baseline_us_per_call_by_rank=r.pop("baseline_us_by_rank"),
              cpu_us_per_call_by_rank=r.pop("cpu_us_by_rank"),
