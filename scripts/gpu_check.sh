@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a multi-GPU machine: build jax_hoccl with its CUDA engine, run the GPU tests,
-# count kernels per op with ncu, run the benchmark (results JSON under benchmarks/results/,
-# copied to $OUT when set), and print a short summary table last.
+# count kernels per op with ncu, run the benchmark (results JSON under benchmarks/results/),
+# and print a short summary table last. The logs and the new results JSON go to
+# /tmp/jax_hoccl_gpu_check, and as one archive, gpu_check.tar.gz, to $OUT when it is set.
 #   bash scripts/gpu_check.sh [--quick | --no-bench | --bench-only | --fused-only | --staged]
 # --staged (one GPU, about 8 minutes): the staged path's GPU tests under MPS, where a captured
 # call's device time goes (benchmarks/probe_chain_kernels.py), bench --steps, bench --processes.
@@ -18,9 +19,15 @@ case "$QUICK" in
   --fused-only) PHASE=bench; QUICK="--fused-only";;  # build + the fused section (~1 min)
   --staged) PHASE=staged; QUICK="";;
 esac
-OUTDIR=${OUT:-/tmp/jax_hoccl_gpu_check}
-mkdir -p "$OUTDIR"
+OUTDIR=/tmp/jax_hoccl_gpu_check
+rm -rf "$OUTDIR" && mkdir -p "$OUTDIR"
+STARTED="$OUTDIR/.started" && touch "$STARTED"
 SUMMARY=()
+# The logs and the results JSON written since the start, as one archive in $OUT.
+collect() {
+  find benchmarks/results -name '*.json' -newer "$STARTED" -exec cp {} "$OUTDIR/" \;
+  if [ -n "${OUT:-}" ]; then tar czf "$OUT/gpu_check.tar.gz" -C "$OUTDIR" .; fi
+}
 
 echo "== build"
 # CMake directly (the GPU image's Python lacks scikit-build-core's build backend); the module
@@ -51,7 +58,7 @@ if [ "$PHASE" = staged ]; then
   echo "== per call across processes, 2 and 4 ranks under MPS"
   timeout 180 $PY -m jax_hoccl.bench --processes --out benchmarks/results 2>&1 |
     tee "$OUTDIR/per_call.log" | sed -n '/^op /,/^host time/p'
-  cp benchmarks/results/*.json "$OUTDIR/" 2>/dev/null
+  collect
   echo
   echo "================ summary ================"
   printf '%s\n' "${SUMMARY[@]}"
@@ -111,7 +118,7 @@ if [ "$NGPU" -lt 2 ] && [ "$QUICK" = --gemm-only ]; then
   echo "== the fused ops' overlap, 2 ranks under MPS with the SMs split"
   timeout 400 $PY -m jax_hoccl.bench --overlap --out benchmarks/results 2>&1 | tee "$OUTDIR/overlap.log" | tail -10
 fi
-cp benchmarks/results/*.json "$OUTDIR/" 2>/dev/null
+collect
 
 echo
 echo "================ summary ================"

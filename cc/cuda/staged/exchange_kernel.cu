@@ -189,30 +189,26 @@ __global__ void __launch_bounds__(kThreads) ExchangeKernel(const StagedKernelArg
   const bool all_to_all = a.kind == StagedKind::kAllToAll;
   __shared__ bool ok;
   __shared__ int set;
-  if (threadIdx.x == 0) {
-    // A captured call: the set of its count's parity (my earlier captured kernels, which
-    // counted themselves, ended before this one started).
+  if (threadIdx.x == 0)  // A captured call: the set of its count's parity (my earlier
+    // captured kernels, which counted themselves, ended before this one started).
     set = a.captured ? a.layout.captured_set + static_cast<int>(*a.captured_count & 1) : a.set;
-    ok = true;
-  }
   __syncthreads();
-  if (ok) {  // my block into every peer's slot, and my own
-    if (a.kind == StagedKind::kPermute) {
-      if (a.permute_dst == r)
-        CopyPart(a.out, a.in, begin, end);
-      else if (a.permute_dst >= 0)
-        CopyPart(Slot(a.layout, a.permute_dst, n, set, r), a.in, begin, end);
-    } else {
-      for (int k = 1; k < n; ++k) {
-        const int d = (r + k) % n;
-        CopyPart(Slot(a.layout, d, n, set, r), a.in + (all_to_all ? d * a.block : 0), begin, end);
-      }
-      if (!a.skip_own && !a.sum)
-        CopyPart(a.out + r * a.block, a.in + (all_to_all ? r * a.block : 0), begin, end);
+  // My block into every peer's slot, and my own.
+  if (a.kind == StagedKind::kPermute) {
+    if (a.permute_dst == r)
+      CopyPart(a.out, a.in, begin, end);
+    else if (a.permute_dst >= 0)
+      CopyPart(Slot(a.layout, a.permute_dst, n, set, r), a.in, begin, end);
+  } else {
+    for (int k = 1; k < n; ++k) {
+      const int d = (r + k) % n;
+      CopyPart(Slot(a.layout, d, n, set, r), a.in + (all_to_all ? d * a.block : 0), begin, end);
     }
+    if (!a.skip_own && !a.sum)
+      CopyPart(a.out + r * a.block, a.in + (all_to_all ? r * a.block : 0), begin, end);
   }
   __syncthreads();
-  if (threadIdx.x == 0 && ok) {
+  if (threadIdx.x == 0) {
     __threadfence_system();  // the pushes (every thread's, ordered by the barrier) first
     ok = Meet(a, set, c);
   }
@@ -242,9 +238,14 @@ __global__ void __launch_bounds__(kThreads) ExchangeKernel(const StagedKernelArg
     for (size_t i = begin + threadIdx.x; i < end; i += kThreads) a.out[i] = 0;
   __syncthreads();
   if (threadIdx.x == 0 && (a.progress_value || a.captured)) {
-    __threadfence();
-    if (atomicAdd(a.ctas_done, 1u) == gridDim.x - 1) {  // the grid's last CTA
-      *a.ctas_done = 0;
+    // The grid's last CTA (one CTA alone needs no count of them).
+    bool last = gridDim.x == 1;
+    if (!last) {
+      __threadfence();
+      last = atomicAdd(a.ctas_done, 1u) == gridDim.x - 1;
+      if (last) *a.ctas_done = 0;
+    }
+    if (last) {
       if (a.captured) *a.captured_count += 1;  // read by the next captured call's kernel
       // The count needs no fence: the next captured call's kernel follows in stream order.
       // The host's progress word does (the watchdog reads it from the host).
