@@ -56,7 +56,7 @@ if [ "$PHASE" = staged ]; then
   timeout 180 $PY -m jax_hoccl.bench --steps --out benchmarks/results 2>&1 |
     tee "$OUTDIR/steps.log" | grep -E "^(step|chain|decode)"
   echo "== per call across processes, 2 and 4 ranks under MPS"
-  timeout 180 $PY -m jax_hoccl.bench --processes --out benchmarks/results 2>&1 |
+  timeout 240 $PY -m jax_hoccl.bench --processes --out benchmarks/results 2>&1 |
     tee "$OUTDIR/per_call.log" | sed -n '/^op /,/^host time/p'
   collect
   echo

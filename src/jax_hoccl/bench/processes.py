@@ -224,6 +224,8 @@ def run(out_dir: str, commit: str) -> str:
   jobs = 1 if gpu else JOBS
   load = [os.getloadavg()[0]]  # a shared machine's load, at the start and the end
   rows, profile = [], []
+  machine = "1xH200" if gpu else "cpu"
+  name = os.path.join(out_dir, f"{datetime.date.today()}-{machine}-per-call.json")
   for n in ((2, 4) if gpu else (2,)):
     with contextlib.ExitStack() as stack:
       if gpu:
@@ -247,20 +249,35 @@ def run(out_dir: str, commit: str) -> str:
           found, _ = _run(n, {**env, **setting, "JAX_HOCCL_PROFILE": "1",
                               "BYTES": json.dumps([64 << 10])})
           profile += found
+    # written after each group size too, so a run stopped during the next keeps these rows
+    result = _result(rows, profile, plat, gpu, load + [os.getloadavg()[0]], commit)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(name, "w") as f:
+      json.dump(result, f, indent=1)
+  _print(result)
+  return name
+
+
+def _result(rows, profile, plat, gpu, load, commit) -> dict:
+  """The results JSON: the rows so far, with machine, versions and commit."""
   import jax
   import jaxlib
-  load.append(os.getloadavg()[0])
-  result = {"what": "time per jit call, back to back, against the same program without the "
-                    f"collective: {ROUNDS} paired rounds of {CALLS} calls per job; "
-                    "added: the median of the rounds' differences, spread: their quartiles "
-                    "(jax_hoccl/bench/processes.py, paired.py)",
-            "platform": plat,
-            "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
-            "load_average_1min": [round(x, 2) for x in load],
-            "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "python": platform.python_version(), "commit": commit, "date": str(datetime.date.today()),
-            "per_call": rows,
-            "host_profile": [dict(r, mps=gpu) for r in profile]}
+  return {"what": "time per jit call, back to back, against the same program without the "
+                  f"collective: {ROUNDS} paired rounds of {CALLS} calls per job; "
+                  "added: the median of the rounds' differences, spread: their quartiles "
+                  "(jax_hoccl/bench/processes.py, paired.py)",
+          "platform": plat,
+          "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
+          "load_average_1min": [round(x, 2) for x in load],
+          "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+          "python": platform.python_version(), "commit": commit, "date": str(datetime.date.today()),
+          "per_call": rows,
+          "host_profile": [dict(r, mps=gpu) for r in profile]}
+
+
+def _print(result: dict) -> None:
+  """The rows as a table, then the handlers' host time by phase."""
+  rows = result["per_call"]
   print(f"{'op':<13} {'per rank':>9} ranks {'path':<23} {'us/call':>9} {'added q1-q3':>15} "
         f"{'without':>9} {'added':>8} {'job':>7}  without, by rank")
   def label(r):  # the path, the staged exchange and who summed: "staged/kernel/sum"
@@ -277,8 +294,3 @@ def run(out_dir: str, commit: str) -> str:
   print("host time inside the handlers per call, 64 KiB, 2 ranks (JAX_HOCCL_PROFILE=1):")
   for r in result["host_profile"]:
     print(f"  {r['op']:<13} {label(r):<17} {r['phase']:<28} {r['us_per_call']:8.1f} us")
-  os.makedirs(out_dir, exist_ok=True)
-  name = os.path.join(out_dir, f"{result['date']}-{'1xH200' if gpu else 'cpu'}-per-call.json")
-  with open(name, "w") as f:
-    json.dump(result, f, indent=1)
-  return name
