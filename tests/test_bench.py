@@ -114,6 +114,7 @@ def test_steps_rows_set_each_step_beside_the_step_without_collectives(tmp_path, 
     assert isinstance(r[key], float), r
     assert len(r.get("baseline_us_per_step_by_rank") or r["gemv_us_per_call_by_rank"]) == 2, r
     assert len(r.get("cpu_us_per_step_by_rank") or r["cpu_us_per_call_by_rank"]) == 2, r
+    assert r["recorded_per_call"] == 0, r  # no CUDA graphs without a GPU
   for r in decode:
     assert r["layers"] == steps.LAYERS and r["us_per_call"] > 0 and r["gemv_us_per_call"] > 0
     low, high = r["added_quartiles_us"]

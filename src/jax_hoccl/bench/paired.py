@@ -18,8 +18,8 @@ CALLS = 200
 def _round_us(f, args, calls: int) -> tuple[float, float]:
   """Wall time and the process's CPU time (every thread's) per call of `calls` calls back to
   back (each call's output the next one's first argument), waited for at the end; after one
-  call waited for (see the module's doc). CPU time well below the wall time: the process
-  waited (for its GPU, or a peer); close to it: the host's own work set the pace."""
+  call waited for (see the module's doc). The CPU time counts every thread of the process:
+  on a GPU under MPS it ran at about twice the wall time."""
   y = f(*args).block_until_ready()
   t0, c0 = time.perf_counter(), time.process_time()
   for _ in range(calls):

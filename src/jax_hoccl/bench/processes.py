@@ -33,7 +33,10 @@ per call: "cpu_us_per_call_by_rank", "baseline_cpu_us_per_call_by_rank"); "path"
 the op's calls took ("staged", "rendezvous" or "zero_copy", as the engine counted them on
 CPU); on a GPU's staged rows, "exchange": "kernel" or "copy_calls" (and for psum and
 psum_scatter "sum": "kernel" or "xla", who adds the blocks), and on a GPU "captured": whether
-XLA recorded the calls into CUDA graphs. And "host_profile": the same calls' host time inside
+XLA recorded the calls into CUDA graphs, and "recorded_per_call": how many times per call it
+recorded one (the handler runs when XLA records a graph, not when it replays one, and XLA
+records again when a buffer's address changed since the last call: near 1, every call was
+recorded again before its replay). And "host_profile": the same calls' host time inside
 jax_hoccl's handlers by phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks), on each path.
 """
 from __future__ import annotations
@@ -102,11 +105,11 @@ WORKER = textwrap.dedent("""
     recorded = getattr(_hoccl, "staged_captured_calls", lambda: 0)  # into CUDA graphs
     captured_rows = {}
 
-    def taking(op, nbytes, measure):  # measure(the op's program), the path its calls took
-        before, captured = _hoccl.cpu_calls_by_path(), recorded()
+    def taking(op, nbytes, measure, ncalls):  # measure(the op's program) of ncalls calls,
+        before, captured = _hoccl.cpu_calls_by_path(), recorded()  # the path its calls took
         result = measure(program(op))
         after = _hoccl.cpu_calls_by_path()
-        captured_rows[op, nbytes] = recorded() > captured
+        captured_rows[op, nbytes] = (recorded() - captured) / ncalls
         took = sorted(k for k in after if after[k] > before[k])
         staged = (os.environ.get("JAX_HOCCL_STAGED_BYTES") != "0"
                   and nbytes <= DEFAULT_STAGED_BYTES)
@@ -125,7 +128,8 @@ WORKER = textwrap.dedent("""
     def gpu_fields(path, op, nbytes):  # the staged calls' engine, capture into graphs
         if not os.environ.get("BENCH_GPU"):
             return {}
-        out = {"captured": captured_rows[op, nbytes]}
+        recorded_per_call = captured_rows[op, nbytes]
+        out = {"captured": recorded_per_call > 0, "recorded_per_call": round(recorded_per_call, 3)}
         if path == "staged":
             kernel = os.environ.get("JAX_HOCCL_STAGED_KERNEL") != "0"
             out["exchange"] = "kernel" if kernel else "copy_calls"
@@ -139,14 +143,14 @@ WORKER = textwrap.dedent("""
         for op in json.loads(os.environ["OPS"]):
             key = dict(op=op, bytes_per_rank=nbytes, ranks=n)
             if os.environ.get("JAX_HOCCL_PROFILE"):  # where a call's host time goes, by phase
-                phases, path = taking(op, nbytes, lambda f: profiled(f, nbytes))
+                phases, path = taking(op, nbytes, lambda f: profiled(f, nbytes), 2 + calls)
                 rows += [dict(key, path=path, **gpu_fields(path, op, nbytes), phase=phase,
                               us_per_call=ns / 1e3 / (1 + calls),
                               calls_per_call=count / (1 + calls))
                          for phase, count, ns in phases]
                 continue
             t, path = taking(op, nbytes, lambda f: paired.paired(
-                f, program("none"), (data(nbytes),), rounds, calls))
+                f, program("none"), (data(nbytes),), rounds, calls), 1 + rounds * (1 + calls))
             rows.append(dict(key, path=path, **gpu_fields(path, op, nbytes),
                              us_per_call=t["us"], baseline_us_per_call=t["baseline_us"],
                              added_us_per_call=t["added_us"],
@@ -279,7 +283,7 @@ def _print(result: dict) -> None:
   """The rows as a table, then the handlers' host time by phase."""
   rows = result["per_call"]
   print(f"{'op':<13} {'per rank':>9} ranks {'path':<23} {'us/call':>9} {'added q1-q3':>15} "
-        f"{'without':>9} {'added':>8} {'job':>7}  without, by rank")
+        f"{'without':>9} {'added':>8} {'job':>7} {'rec':>4}  without, by rank")
   def label(r):  # the path, the staged exchange and who summed: "staged/kernel/sum"
     return (r["path"] + (f"/{r['exchange']}" if "exchange" in r else "")
             + ("/sum" if r.get("sum") == "kernel" else ""))
@@ -289,7 +293,8 @@ def _print(result: dict) -> None:
     path = label(r) + ("/graph" if r.get("captured") else "")
     print(f"{r['op']:<13} {r['bytes_per_rank']:9d} {r['ranks']:5d} {path:<23} "
           f"{r['us_per_call']:9.1f} {spread:>15} {r['baseline_us_per_call']:9.1f} "
-          f"{r['added_us_per_call']:8.1f} {r['job_added_us_per_call']:7.1f}  "
+          f"{r['added_us_per_call']:8.1f} {r['job_added_us_per_call']:7.1f} "
+          f"{r.get('recorded_per_call', 0):4.2f}  "
           + " ".join(f"{b:.0f}" for b in r["baseline_us_per_call_by_rank"]))
   print("host time inside the handlers per call, 64 KiB, 2 ranks (JAX_HOCCL_PROFILE=1):")
   for r in result["host_profile"]:

@@ -14,20 +14,22 @@ each with "staged_sum": whether the staged psums were summed inside the exchange
            "baseline_us_per_step", "added_us_per_step", "added_quartiles_us",
            "per_collective_us", "job_added_us_per_step", "job_per_collective_us",
            "baseline_us_per_step_by_rank", "cpu_us_per_step_by_rank",
-           "baseline_cpu_us_per_step_by_rank", "floor_us"}: L = 12 layers (64 x 1024 @
-           1024 x 1024 bf16, gelu; 128 wide without a GPU), a collective after each (or none:
-           the baseline); per_collective_us = added_us_per_step / L.
+           "baseline_cpu_us_per_step_by_rank", "recorded_per_call", "floor_us"}: L = 12
+           layers (64 x 1024 @ 1024 x 1024 bf16, gelu; 128 wide without a GPU), a collective
+           after each (or none: the baseline); per_collective_us = added_us_per_step / L.
   "device_latency": {"op", "bytes_per_rank", "ranks", "mps", "us_per_op", "floor_us"}: K = 50
            dependent collectives in one jit, divided by K.
   "decode": {"op": "matmul_psum", "rows", "k", "n", "layers", "ranks", "mps", "us_per_call",
            "gemv_us_per_call", "added_us_per_call", "added_quartiles_us",
-           "job_added_us_per_call", "gemv_us_per_call_by_rank", "cpu_us_per_call_by_rank"}:
+           "job_added_us_per_call", "gemv_us_per_call_by_rank", "cpu_us_per_call_by_rank",
+           "recorded_per_call"}:
            a decode step of L layers, each the fused GEMV + psum (weights split by rows,
            K = N = 8192; 512 without a GPU; one weight for every layer), beside the same
            step of GEMVs alone; per layer.
 "job_*": what the collectives add to the job, each round's slowest rank with them minus its
 slowest rank without (ranks.with_job), "*_by_rank": every rank's median ("cpu_*": its
-process's CPU time; well below the wall time, the rank waited).
+process's CPU time, every thread's). "recorded_per_call": how many times per collective call
+XLA recorded one into a CUDA graph (processes.py says why).
 floor_us: the staged one-hop exchange's device-bound floor measured beside this run, if given.
 """
 from __future__ import annotations
@@ -56,8 +58,17 @@ WORKER = textwrap.dedent("""
     import numpy as np, jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
     import jax_hoccl
+    from jax_hoccl import _hoccl
     from jax_hoccl.bench import paired
     mesh = jax.make_mesh((n,), ("x",))
+    recorded = getattr(_hoccl, "staged_captured_calls", lambda: 0)  # into CUDA graphs
+
+    def timed(f, baseline, args):  # paired rounds, and XLA's recordings per collective call
+        before = recorded()
+        t = paired.paired(f, baseline, args, R, C)
+        calls = L * (1 + R * (1 + C))
+        return dict(t, recorded_per_call=round((recorded() - before) / calls, 3))
+
     L, K, D, KD, R, C = (int(os.environ[v])
                          for v in ("LAYERS", "CHAIN", "WIDTH", "DECODE_K", "ROUNDS", "CALLS"))
     shift = [(i, (i + 1) % n) for i in range(n)]
@@ -84,7 +95,7 @@ WORKER = textwrap.dedent("""
         steps[op] = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("x"), P("x")),
                                           out_specs=P("x"), check_vma=False))
     for op in ("psum", "all_gather", "ppermute"):
-        rows.append(dict(kind="step", op=op, **paired.paired(steps[op], steps["none"], (h, w), R, C)))
+        rows.append(dict(kind="step", op=op, **timed(steps[op], steps["none"], (h, w))))
     if os.environ.get("CHAINS"):
         for op in ("psum", "all_gather"):
             def chain(v, op=op):
@@ -117,7 +128,7 @@ WORKER = textwrap.dedent("""
         for m in (1, 8, 64):
             xd = local((m, kdim // n), jnp.bfloat16, 5, P(None, "x"))
             rows.append(dict(kind="decode", op="matmul_psum", rows=m,
-                             **paired.paired(fused, gemv, (xd, wd), R, C)))
+                             **timed(fused, gemv, (xd, wd))))
     print("RESULT" + json.dumps({"rows": rows, "platform": jax.devices()[0].platform}), flush=True)
     os._exit(0)
 """)
@@ -169,7 +180,7 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
                             baseline_us_per_step_by_rank=r["baseline_us_by_rank"],
                             cpu_us_per_step_by_rank=r["cpu_us_by_rank"],
                             baseline_cpu_us_per_step_by_rank=r["baseline_cpu_us_by_rank"],
-                            floor_us=floor_us))
+                            recorded_per_call=r["recorded_per_call"], floor_us=floor_us))
         elif r["kind"] == "device_latency":
           latency.append(dict(op=r["op"], bytes_per_rank=r["bytes_per_rank"], **common,
                               us_per_op=r["us"], floor_us=floor_us))
@@ -182,7 +193,8 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
                              job_added_us_per_call=r["job_added_us"] / LAYERS,
                              gemv_us_per_call_by_rank=[b / LAYERS
                                                        for b in r["baseline_us_by_rank"]],
-                             cpu_us_per_call_by_rank=[c / LAYERS for c in r["cpu_us_by_rank"]]))
+                             cpu_us_per_call_by_rank=[c / LAYERS for c in r["cpu_us_by_rank"]],
+                             recorded_per_call=r["recorded_per_call"]))
   import jax
   result = {"what": "steps of small layers with and without collectives, device time per "
                     "collective in a chain, decode's GEMV + psum (jax_hoccl/bench/steps.py)",
@@ -199,7 +211,8 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
           f"{r['us_per_step']:8.1f} us, without {r['baseline_us_per_step']:8.1f}, "
           f"{r['per_collective_us']:6.1f} us per collective "
           f"(q1-q3 {r['added_quartiles_us'][0] / LAYERS:.1f}-"
-          f"{r['added_quartiles_us'][1] / LAYERS:.1f}; job {r['job_per_collective_us']:.1f})")
+          f"{r['added_quartiles_us'][1] / LAYERS:.1f}; job {r['job_per_collective_us']:.1f}; "
+          f"recorded {r['recorded_per_call']:.2f} per call)")
   for r in latency:
     print(f"chain {r['op']:<10} ranks {r['ranks']} sum {summed_by(r):<12} "
           f"{r['us_per_op']:8.1f} us per op "
@@ -209,7 +222,7 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
           f"sum {summed_by(r):<12} {r['us_per_call']:8.1f} us, "
           f"GEMV alone {r['gemv_us_per_call']:8.1f} us, added {r['added_us_per_call']:6.1f} us "
           f"(q1-q3 {r['added_quartiles_us'][0]:.1f}-{r['added_quartiles_us'][1]:.1f}; "
-          f"job {r['job_added_us_per_call']:.1f})")
+          f"job {r['job_added_us_per_call']:.1f}; recorded {r['recorded_per_call']:.2f} per call)")
   os.makedirs(out_dir, exist_ok=True)
   name = os.path.join(out_dir, f"{result['date']}-{'1xH200' if gpu else 'cpu'}-steps.json")
   with open(name, "w") as f:
