@@ -33,10 +33,10 @@ per call: "cpu_us_per_call_by_rank", "baseline_cpu_us_per_call_by_rank"); "path"
 the op's calls took ("staged", "rendezvous" or "zero_copy", as the engine counted them on
 CPU); on a GPU's staged rows, "exchange": "kernel" or "copy_calls" (and for psum and
 psum_scatter "sum": "kernel" or "xla", who adds the blocks), and on a GPU "captured": whether
-XLA recorded the calls into CUDA graphs, and "recorded_per_call": how many times per call it
-recorded one (the handler runs when XLA records a graph, not when it replays one, and XLA
-records again when a buffer's address changed since the last call: near 1, every call was
-recorded again before its replay). And "host_profile": the same calls' host time inside
+XLA recorded the calls into CUDA graphs, and "recorded_per_call": how many times per call the
+handler ran under capture (XLA traces a call for each set of buffer addresses it has not kept
+a trace of; on replay, and on updating a graph from kept traces, the handler does not run).
+And "host_profile": the same calls' host time inside
 jax_hoccl's handlers by phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks), on each path.
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ each with "staged_sum": whether the staged psums were summed inside the exchange
 "job_*": what the collectives add to the job, each round's slowest rank with them minus its
 slowest rank without (ranks.with_job), "*_by_rank": every rank's median ("cpu_*": its
 process's CPU time, every thread's). "recorded_per_call": how many times per collective call
-XLA recorded one into a CUDA graph (processes.py says why).
+its handler ran under capture (processes.py says when).
 floor_us: the staged one-hop exchange's device-bound floor measured beside this run, if given.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ WORKER = textwrap.dedent("""
     mesh = jax.make_mesh((n,), ("x",))
     recorded = getattr(_hoccl, "staged_captured_calls", lambda: 0)  # into CUDA graphs
 
-    def timed(f, baseline, args):  # paired rounds, and XLA's recordings per collective call
+    def timed(f, baseline, args):  # paired rounds, and the handler's traces per collective call
         before = recorded()
         t = paired.paired(f, baseline, args, R, C)
         calls = L * (1 + R * (1 + C))
