@@ -89,6 +89,23 @@ def test_per_call_rows_set_each_collective_beside_the_program_without_it(tmp_pat
   assert isinstance(result["host_profile"], list)  # (phases are counted by the CUDA engine)
 
 
+def test_per_call_rows_of_donated_calls(tmp_path, monkeypatch):
+  """--processes with each call's input donated (a job of the GPU's settings, run here on CPU):
+  every round starts from a copy of the same array, so no call meets a donated one."""
+  from jax_hoccl.bench import processes
+  monkeypatch.setattr(processes, "OPS", ("psum", "all_gather"))
+  monkeypatch.setattr(processes, "BYTES_PER_RANK", (4096,))
+  monkeypatch.setattr(processes, "JOBS", 1)
+  monkeypatch.setattr(processes, "ROUNDS", 3)
+  monkeypatch.setattr(processes, "CALLS", 20)
+  monkeypatch.setattr(processes, "_settings", lambda gpu, flags: [{"BENCH_DONATE": "1"}])
+  monkeypatch.delenv("JAX_HOCCL_STAGED_BYTES", raising=False)
+  rows = json.load(open(processes.run(str(tmp_path), "test")))["per_call"]
+  assert [(r["op"], r["path"], r["donated"]) for r in rows] == [
+      ("psum", "staged", True), ("all_gather", "staged", True)], rows
+  assert all(r["us_per_call"] > 0 and len(r["added_per_round_us"]) == 3 for r in rows), rows
+
+
 def test_steps_rows_set_each_step_beside_the_step_without_collectives(tmp_path, monkeypatch):
   """--steps: two processes of one CPU device each; a step row per collective beside the same
   step without one, the chained collectives' device time and decode's GEMV + psum beside the
@@ -129,7 +146,8 @@ def test_processes_on_a_gpu_time_both_sums_with_and_without_graphs(monkeypatch):
   settings = processes._settings(True, "--flags")
   graphs = {"XLA_FLAGS": f"--flags {processes.CAPTURED_FLAG}"}
   for want in ({}, {"JAX_HOCCL_STAGED_SUM": "1"}, graphs, {**graphs, "JAX_HOCCL_STAGED_SUM": "1"},
-               {"JAX_HOCCL_STAGED_KERNEL": "0"}, {"JAX_HOCCL_STAGED_BYTES": "0"}):
+               {"JAX_HOCCL_STAGED_KERNEL": "0"}, {"JAX_HOCCL_STAGED_BYTES": "0"},
+               {**graphs, "JAX_HOCCL_STAGED_SUM": "1", "BENCH_DONATE": "1"}):
     assert want in settings, settings
   assert processes._settings(False, "") == [{}, {"JAX_HOCCL_STAGED_BYTES": "0"}]
 

@@ -14,7 +14,10 @@ per peer staged) and JAX_HOCCL_STAGED_BYTES=0 (the per-call rendezvous: zero cop
 on a GPU also the staged calls as copy calls and stream memory operations instead of the
 exchange kernel (JAX_HOCCL_STAGED_KERNEL=0), the staged psum and psum_scatter summed inside
 the exchange kernel (JAX_HOCCL_STAGED_SUM=1), and both sums with XLA recording every program
-into a CUDA graph (CAPTURED_FLAG: staged calls are replayed, their handler runs once). A
+into a CUDA graph (CAPTURED_FLAG: staged calls are replayed, their handler runs once), the
+last also with each call's input donated (as a training loop's state: its output can take
+the input's buffer, so the addresses need not change and XLA need not update its graph before
+a launch). A
 JAX_HOCCL_STAGED_BYTES set by the caller runs alone. 16 MiB per rank is above the crossover:
 both paths' rows are zero copy there. Without a GPU the jobs repeat (JOBS times: the machine
 may be shared) and a row pools their rounds. On a GPU a short job runs first under each MPS
@@ -24,8 +27,8 @@ daemon, its rows dropped (WARM_UP).
 
 Rows: {"op", "bytes_per_rank", "ranks", "mps", "path", "us_per_call", "baseline_us_per_call",
 "added_us_per_call", "spread_us" (the quartiles of the rounds' differences),
-"added_per_round_us", "jobs"}, from the rank the op adds most to; beside them what the op adds
-to the job, each round's slowest rank with it minus its slowest rank without
+"added_per_round_us", "jobs", "donated"}, from the rank the op adds most to; beside them what
+the op adds to the job, each round's slowest rank with it minus its slowest rank without
 ("job_added_us_per_call", "job_spread_us", "job_added_per_round_us": ranks.with_job; a rank
 slower on its own counts once, not as a cost to the peers that wait for it), and every rank's
 medians ("us_per_call_by_rank", "baseline_us_per_call_by_rank", and its process's CPU time
@@ -91,12 +94,18 @@ WORKER = textwrap.dedent("""
     }
 
     programs = {}
+    donate = bool(os.environ.get("BENCH_DONATE"))  # each call's input, as a loop's state
 
     def program(name):  # one jit per body: the baseline compiles once per size
         if name not in programs:
-            programs[name] = jax.jit(jax.shard_map(bodies[name], mesh=mesh, in_specs=P("x"),
-                                                   out_specs=P("x")))
+            f = jax.jit(jax.shard_map(bodies[name], mesh=mesh, in_specs=P("x"),
+                                      out_specs=P("x")), donate_argnums=(0,) if donate else ())
+            if donate:  # the paired rounds start from the same array: it takes a copy
+                f = lambda v, f=f: f(jnp.copy(v) if v is first[0] else v)
+            programs[name] = f
         return programs[name]
+
+    first = [None]
 
     def data(nbytes):
         return jax.make_array_from_process_local_data(
@@ -149,9 +158,10 @@ WORKER = textwrap.dedent("""
                               calls_per_call=count / (1 + calls))
                          for phase, count, ns in phases]
                 continue
+            first[0] = data(nbytes)
             t, path = taking(op, nbytes, lambda f: paired.paired(
-                f, program("none"), (data(nbytes),), rounds, calls), 1 + rounds * (1 + calls))
-            rows.append(dict(key, path=path, **gpu_fields(path, op, nbytes),
+                f, program("none"), (first[0],), rounds, calls), 1 + rounds * (1 + calls))
+            rows.append(dict(key, path=path, donated=donate, **gpu_fields(path, op, nbytes),
                              us_per_call=t["us"], baseline_us_per_call=t["baseline_us"],
                              added_us_per_call=t["added_us"],
                              added_per_round_us=t["added_per_round_us"],
@@ -183,15 +193,17 @@ def _run(n: int, env: dict):
 def _settings(gpu: bool, xla_flags: str) -> list[dict]:
   """The crossover of each job: the caller's, else the default and 0 (both paths); on a GPU
   also the staged path's copy-call exchange, the staged sums inside the exchange kernel
-  (JAX_HOCCL_STAGED_SUM=1), and every program in CUDA graphs with either sum (`xla_flags`: the
-  jobs' XLA flags)."""
+  (JAX_HOCCL_STAGED_SUM=1), every program in CUDA graphs with either sum (`xla_flags`: the
+  jobs' XLA flags), and in graphs with the sums inside the kernel and each call's input
+  donated (BENCH_DONATE=1)."""
   if os.environ.get("JAX_HOCCL_STAGED_BYTES"):
     return [{}]
   if not gpu:
     return [{}, {"JAX_HOCCL_STAGED_BYTES": "0"}]
   graphs = {"XLA_FLAGS": f"{xla_flags} {CAPTURED_FLAG}"}
   return [{}, {"JAX_HOCCL_STAGED_KERNEL": "0"}, {"JAX_HOCCL_STAGED_BYTES": "0"},
-          {"JAX_HOCCL_STAGED_SUM": "1"}, graphs, {**graphs, "JAX_HOCCL_STAGED_SUM": "1"}]
+          {"JAX_HOCCL_STAGED_SUM": "1"}, graphs, {**graphs, "JAX_HOCCL_STAGED_SUM": "1"},
+          {**graphs, "JAX_HOCCL_STAGED_SUM": "1", "BENCH_DONATE": "1"}]
 
 
 def _over_jobs(jobs: list[list[dict]]) -> list[dict]:
@@ -282,7 +294,7 @@ def _result(rows, profile, plat, gpu, load, commit) -> dict:
 def _print(result: dict) -> None:
   """The rows as a table, then the handlers' host time by phase."""
   rows = result["per_call"]
-  print(f"{'op':<13} {'per rank':>9} ranks {'path':<23} {'us/call':>9} {'added q1-q3':>15} "
+  print(f"{'op':<13} {'per rank':>9} ranks {'path':<31} {'us/call':>9} {'added q1-q3':>15} "
         f"{'without':>9} {'added':>8} {'job':>7} {'rec':>4}  without, by rank")
   def label(r):  # the path, the staged exchange and who summed: "staged/kernel/sum"
     return (r["path"] + (f"/{r['exchange']}" if "exchange" in r else "")
@@ -290,8 +302,9 @@ def _print(result: dict) -> None:
 
   for r in rows:
     spread = f"{r['spread_us'][0]:.0f}-{r['spread_us'][1]:.0f}"
-    path = label(r) + ("/graph" if r.get("captured") else "")
-    print(f"{r['op']:<13} {r['bytes_per_rank']:9d} {r['ranks']:5d} {path:<23} "
+    path = (label(r) + ("/graph" if r.get("captured") else "")
+            + ("/donated" if r.get("donated") else ""))
+    print(f"{r['op']:<13} {r['bytes_per_rank']:9d} {r['ranks']:5d} {path:<31} "
           f"{r['us_per_call']:9.1f} {spread:>15} {r['baseline_us_per_call']:9.1f} "
           f"{r['added_us_per_call']:8.1f} {r['job_added_us_per_call']:7.1f} "
           f"{r.get('recorded_per_call', 0):4.2f}  "
