@@ -78,7 +78,8 @@ def table(result) -> str:
   for r in result.get("gemm", []):
     if r["impl"] != "xla":
       lines.append(f"gemm {r['m']}x{r['k']}x{r['n']} {r['impl']}: {r['time_us']:.1f} us, "
-                   f"x{r.get('speed_vs_xla', 0):.3f} of XLA's dot speed")
+                   f"x{r.get('speed_vs_xla', 0):.3f} of XLA's dot speed "
+                   f"(paired x{r.get('paired_speed_vs_xla', 0):.3f})")
   for r in result.get("flag_latency", []):
     lines.append(f"flag latency: {r['what']}: {r['time_us']:.1f} us")
   for r in result.get("fused", []):
