@@ -12,8 +12,9 @@ cost, in under five minutes:
      less in flight (EPI_SLOTS = 4, PIPELINE_STEPS = 3: the stores no longer wait for smem).
 
 Each step runs in its own process under its own time limit (a hang costs only its step).
-Everything lands in OUT (default $OUT, else benchmarks/results/raw): the steps' logs, their
-JSONs, and DATE-1xGPU-walk-cost.json with all rows, machine, versions and commit. Prints a
+Everything lands in --out (default benchmarks/results/raw): the steps' logs, their JSONs, and
+DATE-1xGPU-walk-cost.json with all rows, machine, versions and commit; where $OUT is set, all
+of it also as one archive, $OUT/walk_cost_check.tar.gz. Prints a
 table last, and which band height and configuration won. From the repository root, with the
 extension built into src/jax_hoccl/:
 
@@ -28,6 +29,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,8 +85,7 @@ def configs_step(out):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "benchmarks",
-                                                                          "results", "raw"))
+  ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "raw"))
   ap.add_argument("--rounds", type=int, default=12, help="probe_walk_cost rounds")
   ap.add_argument("--configs-only", action="store_true", help="step 4 alone (its own process)")
   a = ap.parse_args(argv)
@@ -134,6 +135,9 @@ def main(argv=None):
   path = os.path.join(a.out, f"{meta['date']}-1x{kind}-walk-cost.json")
   with open(path, "w") as f:
     json.dump(result, f, indent=1)
+  if os.environ.get("OUT"):  # a device call brings back a few files: all of them as one
+    with tarfile.open(os.path.join(os.environ["OUT"], "walk_cost_check.tar.gz"), "w:gz") as tar:
+      tar.add(a.out, arcname=".")
 
   print(f"\n== summary ({time.monotonic() - start:.0f} s, commit {meta.get('commit')}, "
         f"{platform.node()}); wrote {path}")
