@@ -84,6 +84,9 @@ def test_per_call_rows_set_each_collective_beside_the_program_without_it(tmp_pat
     assert len(job) == processes.ROUNDS and r["job_added_us_per_call"] == statistics.median(job)
     assert len(r["us_per_call_by_rank"]) == len(r["baseline_us_per_call_by_rank"]) == 2, r
     assert all(c > 0 for c in r["cpu_us_per_call_by_rank"] + r["baseline_cpu_us_per_call_by_rank"])
+    switches = r["switches_per_call_by_rank"] + r["baseline_switches_per_call_by_rank"]
+    assert len(switches) == 4 and all(len(s) == 2 and min(s) >= 0 for s in switches), r
+    assert any(s[0] > 0 for s in switches), r  # waiting for a peer blocks some thread
     assert r["baseline_us_per_call"] in r["baseline_us_per_call_by_rank"], r
     assert "us_per_round" not in r and "baseline_us_per_round" not in r, r
   assert isinstance(result["host_profile"], list)  # (phases are counted by the CUDA engine)
@@ -205,7 +208,8 @@ def test_the_job_counts_a_rank_slow_on_its_own_once():
 
   def row(ours, theirs):
     return {"us_per_round": ours, "baseline_us_per_round": theirs, "cpu_us": ours[0] / 2,
-            "baseline_cpu_us": theirs[0] / 2,
+            "baseline_cpu_us": theirs[0] / 2, "switches": [ours[0] / 10, 1.0],
+            "baseline_switches": [theirs[0] / 10, 0.0],
             "added_us": statistics.median([a - b for a, b in zip(ours, theirs)])}
 
   fast = row([95.0, 96.0, 94.0], [50.0, 51.0, 49.0])
@@ -218,4 +222,7 @@ def test_the_job_counts_a_rank_slow_on_its_own_once():
   assert out[0]["baseline_us_by_rank"] == [50.0, 90.0]
   assert out[0]["us_by_rank"] == [95.0, 95.0]
   assert out[0]["baseline_cpu_us_by_rank"] == [25.0, 45.0]
+  assert out[0]["baseline_switches_by_rank"] == [[5.0, 0.0], [9.0, 0.0]]
+  assert out[0]["switches_by_rank"] == [[9.5, 1.0], [9.5, 1.0]]
   assert "us_per_round" not in out[0] and "cpu_us" not in out[0] and out[1] == plain
+  assert "switches" not in out[0]

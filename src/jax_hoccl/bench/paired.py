@@ -8,6 +8,7 @@ only once every rank has made it, so the ranks' timed calls start together, what
 baseline round before took on each."""
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 
@@ -15,17 +16,26 @@ ROUNDS = 12
 CALLS = 200
 
 
-def _round_us(f, args, calls: int) -> tuple[float, float]:
-  """Wall time and the process's CPU time (every thread's) per call of `calls` calls back to
-  back (each call's output the next one's first argument), waited for at the end; after one
-  call waited for (see the module's doc). The CPU time counts every thread of the process:
-  on a GPU under MPS it ran at about twice the wall time."""
+def _switches() -> tuple[int, int]:
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  return usage.ru_nvcsw, usage.ru_nivcsw
+
+
+def _round_us(f, args, calls: int) -> tuple[float, float, float, float]:
+  """Wall time, the process's CPU time, and its voluntary and involuntary context switches,
+  per call of `calls` calls back to back (each call's output the next one's first argument),
+  waited for at the end; after one call waited for (see the module's doc). The CPU time and
+  the switches count every thread of the process (its CPU time ran at about twice the wall
+  time on a GPU under MPS): a thread that blocks switches voluntarily, one the kernel takes
+  the CPU from switches involuntarily."""
   y = f(*args).block_until_ready()
-  t0, c0 = time.perf_counter(), time.process_time()
+  t0, c0, (v0, i0) = time.perf_counter(), time.process_time(), _switches()
   for _ in range(calls):
     y = f(y, *args[1:])
   y.block_until_ready()
-  return ((time.perf_counter() - t0) / calls * 1e6, (time.process_time() - c0) / calls * 1e6)
+  v1, i1 = _switches()
+  return ((time.perf_counter() - t0) / calls * 1e6, (time.process_time() - c0) / calls * 1e6,
+          (v1 - v0) / calls, (i1 - i0) / calls)
 
 
 def quartiles(values) -> list[float]:
@@ -40,18 +50,24 @@ def paired(f, baseline, args, rounds: int = ROUNDS, calls: int = CALLS) -> dict:
   """{"us", "baseline_us": medians over the rounds; "added_us": the median of the rounds'
   differences; "added_quartiles_us", "added_per_round_us"; "us_per_round",
   "baseline_us_per_round"; "cpu_us", "baseline_cpu_us": the medians of the process's CPU time
-  per call} for `f` and `baseline` called on the same `args` (both compiled by a first call
-  here)."""
+  per call; "switches", "baseline_switches": the medians of its voluntary and involuntary
+  context switches per call} for `f` and `baseline` called on the same `args` (both compiled
+  by a first call here)."""
   f(*args).block_until_ready()
   baseline(*args).block_until_ready()
-  timed = ([], [])  # (wall, CPU) per round: f's, the baseline's
+  timed = ([], [])  # (wall, CPU, switches) per round: f's, the baseline's
   for i in range(rounds):
     for j in ((0, 1) if i % 2 else (1, 0)):
       timed[j].append(_round_us((f, baseline)[j], args, calls))
-  ours, theirs = [w for w, _ in timed[0]], [w for w, _ in timed[1]]
+  ours, theirs = [t[0] for t in timed[0]], [t[0] for t in timed[1]]
+
+  def switches(rounds):
+    return [statistics.median(t[2] for t in rounds), statistics.median(t[3] for t in rounds)]
+
   added = [a - b for a, b in zip(ours, theirs)]
   return {"us": statistics.median(ours), "baseline_us": statistics.median(theirs),
           "added_us": statistics.median(added), "added_quartiles_us": quartiles(added),
           "added_per_round_us": added, "us_per_round": ours, "baseline_us_per_round": theirs,
-          "cpu_us": statistics.median(c for _, c in timed[0]),
-          "baseline_cpu_us": statistics.median(c for _, c in timed[1])}
+          "cpu_us": statistics.median(t[1] for t in timed[0]),
+          "baseline_cpu_us": statistics.median(t[1] for t in timed[1]),
+          "switches": switches(timed[0]), "baseline_switches": switches(timed[1])}

@@ -32,7 +32,9 @@ the op adds to the job, each round's slowest rank with it minus its slowest rank
 ("job_added_us_per_call", "job_spread_us", "job_added_per_round_us": ranks.with_job; a rank
 slower on its own counts once, not as a cost to the peers that wait for it), and every rank's
 medians ("us_per_call_by_rank", "baseline_us_per_call_by_rank", and its process's CPU time
-per call: "cpu_us_per_call_by_rank", "baseline_cpu_us_per_call_by_rank"); "path" is the path
+per call: "cpu_us_per_call_by_rank", "baseline_cpu_us_per_call_by_rank"; its context
+switches per call, [voluntary, involuntary]: "switches_per_call_by_rank",
+"baseline_switches_per_call_by_rank"); "path" is the path
 the op's calls took ("staged", "rendezvous" or "zero_copy", as the engine counted them on
 CPU); on a GPU's staged rows, "exchange": "kernel" or "copy_calls" (and for psum and
 psum_scatter "sum": "kernel" or "xla", who adds the blocks), and on a GPU "captured": whether
@@ -167,7 +169,8 @@ WORKER = textwrap.dedent("""
                              added_per_round_us=t["added_per_round_us"],
                              us_per_round=t["us_per_round"],
                              baseline_us_per_round=t["baseline_us_per_round"],
-                             cpu_us=t["cpu_us"], baseline_cpu_us=t["baseline_cpu_us"]))
+                             cpu_us=t["cpu_us"], baseline_cpu_us=t["baseline_cpu_us"],
+                             switches=t["switches"], baseline_switches=t["baseline_switches"]))
     print("RESULT" + json.dumps({"rows": rows, "platform": jax.devices()[0].platform}), flush=True)
     os._exit(0)
 """)
@@ -186,7 +189,9 @@ def _run(n: int, env: dict):
              us_per_call_by_rank=r.pop("us_by_rank"),
              baseline_us_per_call_by_rank=r.pop("baseline_us_by_rank"),
              cpu_us_per_call_by_rank=r.pop("cpu_us_by_rank"),
-             baseline_cpu_us_per_call_by_rank=r.pop("baseline_cpu_us_by_rank"))
+             baseline_cpu_us_per_call_by_rank=r.pop("baseline_cpu_us_by_rank"),
+             switches_per_call_by_rank=r.pop("switches_by_rank"),
+             baseline_switches_per_call_by_rank=r.pop("baseline_switches_by_rank"))
   return rows, found[0]["platform"]
 
 
@@ -218,6 +223,9 @@ def _over_jobs(jobs: list[list[dict]]) -> list[dict]:
     by_rank = {k: [statistics.median(v) for v in zip(*(r[k] for r in per_job))]
                for k in ("us_per_call_by_rank", "baseline_us_per_call_by_rank",
                          "cpu_us_per_call_by_rank", "baseline_cpu_us_per_call_by_rank")}
+    by_rank.update({k: [[statistics.median(v) for v in zip(*rank)]
+                        for rank in zip(*(r[k] for r in per_job))]
+                    for k in ("switches_per_call_by_rank", "baseline_switches_per_call_by_rank")})
     out.append(dict(
         per_job[0], jobs=len(per_job),
         us_per_call=statistics.median(r["us_per_call"] for r in per_job),
