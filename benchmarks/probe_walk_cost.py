@@ -40,6 +40,7 @@ from jax_hoccl._src.fused.flagged import flagged_gemm as fg
 from jax_hoccl._src.fused.flagged import gather_walk as gig
 from jax_hoccl._src.fused.flagged import reduce_scatter_walk as gr
 from jax_hoccl.bench import __main__ as bench_main
+from jax_hoccl.bench.gemm import beside_dot_us, kernel_names
 
 K = N = 8192
 bf = jnp.bfloat16
@@ -135,28 +136,6 @@ def gemm_us(exe, args, calls):
   return statistics.median(max(t for _, t in kernels) for kernels in per_call) * 1e3
 
 
-def kernel_names(exe, args):
-  """The names of the kernels one call of `exe` launches."""
-  _, per_call = profiler.measure(exe, iterations=2, aggregate=False)(*args)
-  return {name for name, _ in per_call[0]}
-
-
-def paired_ratios(exe, args, own, calls):
-  """Per call of `exe` (XLA's dot and a program in one jit): (the program's kernel time, the
-  dot's, in us), the program's the longest kernel named in `own`, the dot's the longest of
-  the rest."""
-  _, per_call = profiler.measure(exe, iterations=max(calls, 2), aggregate=False)(*args)
-  out = []
-  for kernels in per_call:
-    mine = [t for name, t in kernels if name in own]
-    dot = [t for name, t in kernels if name not in own]
-    if not mine or not dot:
-      raise RuntimeError(f"cannot tell the program's kernels {sorted(own)} from the dot's in "
-                         f"{[name for name, _ in kernels]}")
-    out.append((max(mine) * 1e3, max(dot) * 1e3))
-  return out
-
-
 def beside_dot(progs):
   """{name: program} of each program but XLA's dot, in one jit with the dot before it."""
   dot_args = progs["xla dot"][4]
@@ -174,7 +153,7 @@ def measure_paired(progs, exes, pairs, paired_exes, rounds, calls):
   times = {k: [] for k in names}
   for r in range(rounds):
     for k in names[r % len(names):] + names[:r % len(names)]:
-      got = paired_ratios(paired_exes[k], pairs[k][4], own[k], calls)
+      got = beside_dot_us(paired_exes[k], pairs[k][4], own[k], calls)
       times[k].append((statistics.median(p / d for p, d in got),
                        statistics.median(p for p, _ in got), statistics.median(d for _, d in got)))
   return times

@@ -189,8 +189,9 @@ __global__ void __launch_bounds__(kThreads) ExchangeKernel(const StagedKernelArg
   const bool all_to_all = a.kind == StagedKind::kAllToAll;
   __shared__ bool ok;
   __shared__ int set;
-  if (threadIdx.x == 0)  // A captured call: the set of its count's parity (my earlier
-    // captured kernels, which counted themselves, ended before this one started).
+  // A captured call: the set of its count's parity (my earlier captured kernels, which
+  // counted themselves, ended before this one started).
+  if (threadIdx.x == 0)
     set = a.captured ? a.layout.captured_set + static_cast<int>(*a.captured_count & 1) : a.set;
   __syncthreads();
   // My block into every peer's slot, and my own.

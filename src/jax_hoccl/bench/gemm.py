@@ -32,25 +32,28 @@ def _kernel_us(f, *args):
   return statistics.median(times) * 1e3
 
 
-def _kernels(f, *args) -> list[list[tuple[str, float]]]:
-  """Per call of f (CALLS calls): every kernel's (name, ms)."""
+def kernel_names(exe, args) -> set[str]:
+  """The names of the kernels one call of `exe` launches."""
   from jax.experimental.mosaic.gpu import profiler
-  _, per_call = profiler.measure(f, iterations=CALLS, aggregate=False)(*args)
-  return per_call
+  _, per_call = profiler.measure(exe, iterations=2, aggregate=False)(*args)
+  return {name for name, _ in per_call[0]}
 
 
-def _paired_speeds(pair, args, own) -> list[float]:
-  """Per call of `pair` (XLA's dot and the flagged GEMM in one jit): the dot's kernel time
-  over the flagged GEMM's, each the longest of its kernels (the GEMM's: named in `own`)."""
-  speeds = []
-  for kernels in _kernels(pair, *args):
+def beside_dot_us(exe, args, own, calls=CALLS) -> list[tuple[float, float]]:
+  """Per call of `exe` (XLA's dot and a program in one jit): (the program's kernel time, the
+  dot's, in us), the program's the longest kernel named in `own` (kernel_names of the program
+  alone), the dot's the longest of the rest."""
+  from jax.experimental.mosaic.gpu import profiler
+  _, per_call = profiler.measure(exe, iterations=max(calls, 2), aggregate=False)(*args)
+  out = []
+  for kernels in per_call:
     mine = [t for name, t in kernels if name in own]
     dot = [t for name, t in kernels if name not in own]
     if not mine or not dot:
-      raise RuntimeError(f"cannot tell the flagged GEMM's kernels {sorted(own)} from the dot's "
-                         f"in {[name for name, _ in kernels]}")
-    speeds.append(max(dot) / max(mine))
-  return speeds
+      raise RuntimeError(f"cannot tell the program's kernels {sorted(own)} from the dot's in "
+                         f"{[name for name, _ in kernels]}")
+    out.append((max(mine) * 1e3, max(dot) * 1e3))
+  return out
 
 
 def bench_gemm(shapes=SHAPES):
@@ -72,7 +75,7 @@ def bench_gemm(shapes=SHAPES):
                                                            flag_rows=FLAG_ROWS))
     pair = jax.jit(lambda a, b, o, f: (a @ b, fg.flagged_matmul(a, b, out=o, flags=f,
                                                                  flag_rows=FLAG_ROWS)))
-    own = {name for name, _ in _kernels(flagged, a, b, out, flags)[0]}
+    own = kernel_names(flagged, (a, b, out, flags))
     times = {"xla": [], "jax_hoccl_flagged": []}
     calls = {"xla": lambda: _kernel_us(xla, a, b),
              "jax_hoccl_flagged": lambda: _kernel_us(flagged, a, b, out, flags)}
@@ -80,7 +83,8 @@ def bench_gemm(shapes=SHAPES):
     for r in range(ROUNDS):
       for impl in (("xla", "jax_hoccl_flagged") if r % 2 == 0 else ("jax_hoccl_flagged", "xla")):
         times[impl].append(calls[impl]())
-      paired.append(statistics.median(_paired_speeds(pair, (a, b, out, flags), own)))
+      paired.append(statistics.median(
+          d / p for p, d in beside_dot_us(pair, (a, b, out, flags), own)))
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - xla(a, b).astype(jnp.float32))))
     if err > 0.05:
       raise AssertionError(f"flagged GEMM {m}x{k}x{n} differs from XLA's dot by {err}")

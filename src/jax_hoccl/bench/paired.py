@@ -38,6 +38,12 @@ def _round_us(f, args, calls: int) -> tuple[float, float, float, float]:
           (v1 - v0) / calls, (i1 - i0) / calls)
 
 
+def calls_made(rounds: int, calls: int) -> int:
+  """How many times paired() calls its program: once to compile it, then in each round once
+  waited for and `calls` times timed."""
+  return 1 + rounds * (1 + calls)
+
+
 def quartiles(values) -> list[float]:
   """The lower and upper quartiles of `values` (both the value itself for one)."""
   if len(values) == 1:

@@ -162,7 +162,7 @@ WORKER = textwrap.dedent("""
                 continue
             first[0] = data(nbytes)
             t, path = taking(op, nbytes, lambda f: paired.paired(
-                f, program("none"), (first[0],), rounds, calls), 1 + rounds * (1 + calls))
+                f, program("none"), (first[0],), rounds, calls), paired.calls_made(rounds, calls))
             rows.append(dict(key, path=path, donated=donate, **gpu_fields(path, op, nbytes),
                              us_per_call=t["us"], baseline_us_per_call=t["baseline_us"],
                              added_us_per_call=t["added_us"],

@@ -66,7 +66,7 @@ WORKER = textwrap.dedent("""
     def timed(f, baseline, args):  # paired rounds, and the handler's traces per collective call
         before = recorded()
         t = paired.paired(f, baseline, args, R, C)
-        calls = L * (1 + R * (1 + C))
+        calls = L * paired.calls_made(R, C)
         return dict(t, recorded_per_call=round((recorded() - before) / calls, 3))
 
     L, K, D, KD, R, C = (int(os.environ[v])
