@@ -116,11 +116,11 @@ def test_steps_rows_set_each_step_beside_the_step_without_collectives(tmp_path, 
   from jax_hoccl.bench import steps
   monkeypatch.setattr(steps, "ROUNDS", 4)
   monkeypatch.setattr(steps, "CALLS", 20)
-  result = json.load(open(steps.run(str(tmp_path), "test", floor_us=9.9)))
+  result = json.load(open(steps.run(str(tmp_path), "test")))
   rows = result["step"]
   assert sorted(r["op"] for r in rows) == ["all_gather", "ppermute", "psum"], rows
   for r in rows:
-    assert r["layers"] == steps.LAYERS and r["ranks"] == 2 and r["floor_us"] == 9.9
+    assert r["layers"] == steps.LAYERS and r["ranks"] == 2 and r["floor_us"] is None
     assert r["staged_sum"] is False  # the sum inside the exchange kernel is CUDA's
     assert r["us_per_step"] > 0 and r["baseline_us_per_step"] > 0
     assert abs(r["per_collective_us"] * r["layers"] - r["added_us_per_step"]) < 1e-6
@@ -185,14 +185,18 @@ def test_processes_on_a_gpu_warm_each_mps_daemon_up_first(monkeypatch, tmp_path)
 
 def test_steps_on_a_gpu_time_both_sums_with_command_buffers_on_and_off(monkeypatch, tmp_path):
   """bench --steps on a GPU: the staged sums by XLA and inside the exchange kernel, each with
-  command buffers on and off, for 2 and 4 ranks."""
+  command buffers on and off, for 2 and 4 ranks, and the staged floor measured for each."""
   import contextlib
   from jax_hoccl.bench import steps
   monkeypatch.setattr(steps.glob, "glob", lambda pattern: ["/dev/nvidia0"])
   envs = []
   monkeypatch.setattr(steps, "mps_daemon", lambda: contextlib.nullcontext({}))
   monkeypatch.setattr(steps, "_job", lambda n, env: (envs.append((n, env)), ([], "gpu"))[1])
+  floors = []  # the staged floor, once per number of ranks, at a chain's and a step's size
+  monkeypatch.setattr(steps.staged_floor, "floors",
+                      lambda n, sizes, env: (floors.append((n, sizes)), {})[1])
   steps.run(str(tmp_path), "test")
+  assert floors == [(2, (65536, 131072)), (4, (65536, 131072))]
   for n in (2, 4):
     mine = [env for m, env in envs if m == n]
     assert len(mine) == 4, mine

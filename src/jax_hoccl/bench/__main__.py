@@ -78,9 +78,6 @@ def parse_args(argv):
   ap.add_argument("--steps", action="store_true",
                   help="steps of small layers and decode's GEMV + psum across processes, "
                        "command buffers on and off; the device time of chained collectives")
-  ap.add_argument("--staged-floor-us", type=float, default=None,
-                  help="with --steps: the staged one-hop floor measured beside the run, kept "
-                       "in its rows")
   ap.add_argument("--out", default="benchmarks/results", help="folder of the results JSON")
   ap.add_argument("--plot", metavar="DIR", help="write PNG figures of RESULTS.json to DIR")
   ap.add_argument("--model", action="store_true",
@@ -118,7 +115,7 @@ def main(argv=None) -> int:
     return 0
   if a.steps:
     from jax_hoccl.bench import steps
-    print("wrote", steps.run(a.out, _commit(), a.staged_floor_us))
+    print("wrote", steps.run(a.out, _commit()))
     return 0
   if a.processes:
     from jax_hoccl.bench import processes

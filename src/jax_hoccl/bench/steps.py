@@ -4,7 +4,7 @@ time per collective in a chain inside one jit. On one GPU, 2 and 4 processes sha
 MPS daemon of their own (benchmarks/README.md says which figures transfer to several GPUs);
 without a GPU, 2 processes of one CPU device each.
 
-    python -m jax_hoccl.bench --steps [--staged-floor-us US] [--out DIR]
+    python -m jax_hoccl.bench --steps [--out DIR]
 
 Rows (from the rank that the collectives add most to; paired.py: paired rounds of the program
 with and without them, "added" the median of the rounds' differences, its quartiles beside),
@@ -30,7 +30,9 @@ each with "staged_sum": whether the staged psums were summed inside the exchange
 slowest rank without (ranks.with_job), "*_by_rank": every rank's median ("cpu_*": its
 process's CPU time, every thread's). "recorded_per_call": how many times per collective call
 its handler ran under capture (processes.py says when).
-floor_us: the staged one-hop exchange's device-bound floor measured beside this run, if given.
+floor_us (on a GPU): the device-bound floor of a staged one-hop exchange of the row's size per
+rank (a step's activations, 64 x 1024 bf16; a chain's 64 KiB) across as many ranks, raw CUDA
+under the same MPS daemon, measured before the jobs (staged_floor.py).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ import os
 import platform
 import textwrap
 
-from jax_hoccl.bench import paired, ranks
+from jax_hoccl.bench import paired, ranks, staged_floor
 from jax_hoccl.launch import mps_daemon, run_workers
 
 LAYERS = 12
@@ -139,7 +141,7 @@ def _job(n: int, env: dict) -> tuple[list, str]:
   return ranks.with_job([f["rows"] for f in found], ["added_us", "us"]), found[0]["platform"]
 
 
-def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
+def run(out_dir: str, commit: str) -> str:
   """Runs the jobs; writes and returns the results JSON's path."""
   base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_HOCCL_NODE")}
   base.setdefault("PJRT_NPROC", "16")
@@ -152,7 +154,9 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
   steps, latency, decode = [], [], []
   # on a GPU each setting with the staged sums by XLA and inside the exchange kernel
   jobs = [(b, s) for b in (True, False) for s in (False, True)] if gpu else [(False, False)]
+  step_bytes, chain_bytes = 64 * width * 2, 65536
   for n in ((2, 4) if gpu else (2,)):
+    floor = None  # {bytes: us}, measured once per number of ranks
     for buffers, summed in jobs:
       with contextlib.ExitStack() as stack:
         if gpu:
@@ -166,6 +170,8 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
         if buffers or not gpu:
           env["CHAINS"] = "1"
         env["JAX_HOCCL_STAGED_SUM"] = "1" if summed else "0"
+        if gpu and floor is None:
+          floor = staged_floor.floors(n, (chain_bytes, step_bytes), env)
         rows, plat = _job(n, env)
       common = dict(ranks=n, mps=gpu, staged_sum=summed)
       for r in rows:
@@ -180,10 +186,11 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
                             baseline_us_per_step_by_rank=r["baseline_us_by_rank"],
                             cpu_us_per_step_by_rank=r["cpu_us_by_rank"],
                             baseline_cpu_us_per_step_by_rank=r["baseline_cpu_us_by_rank"],
-                            recorded_per_call=r["recorded_per_call"], floor_us=floor_us))
+                            recorded_per_call=r["recorded_per_call"],
+                            floor_us=(floor or {}).get(step_bytes)))
         elif r["kind"] == "device_latency":
           latency.append(dict(op=r["op"], bytes_per_rank=r["bytes_per_rank"], **common,
-                              us_per_op=r["us"], floor_us=floor_us))
+                              us_per_op=r["us"], floor_us=(floor or {}).get(r["bytes_per_rank"])))
         elif r["kind"] == "decode":
           decode.append(dict(op=r["op"], rows=r["rows"], k=decode_k, n=decode_k, **common,
                              layers=LAYERS, us_per_call=r["us"] / LAYERS,
@@ -202,6 +209,9 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
             "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
             "jax": jax.__version__, "commit": commit, "date": str(datetime.date.today()),
             "step": steps, "device_latency": latency, "decode": decode}
+  def against_floor(us, floor):
+    return f" ({us / floor:.2f}x the floor, {floor:.1f} us)" if floor else ""
+
   def summed_by(r):  # who summed the staged psums
     return "kernel" if r["staged_sum"] else "xla"
 
@@ -212,11 +222,11 @@ def run(out_dir: str, commit: str, floor_us: float | None = None) -> str:
           f"{r['per_collective_us']:6.1f} us per collective "
           f"(q1-q3 {r['added_quartiles_us'][0] / LAYERS:.1f}-"
           f"{r['added_quartiles_us'][1] / LAYERS:.1f}; job {r['job_per_collective_us']:.1f}; "
-          f"recorded {r['recorded_per_call']:.2f} per call)")
+          f"recorded {r['recorded_per_call']:.2f} per call)"
+          f"{against_floor(r['per_collective_us'], r['floor_us'])}")
   for r in latency:
     print(f"chain {r['op']:<10} ranks {r['ranks']} sum {summed_by(r):<12} "
-          f"{r['us_per_op']:8.1f} us per op "
-          f"(floor {r['floor_us']})")
+          f"{r['us_per_op']:8.1f} us per op{against_floor(r['us_per_op'], r['floor_us'])}")
   for r in decode:
     print(f"decode matmul_psum rows {r['rows']:<3} ranks {r['ranks']} "
           f"sum {summed_by(r):<12} {r['us_per_call']:8.1f} us, "
