@@ -1,14 +1,15 @@
-"""Where a staged collective's device time goes inside CUDA graphs: 2 processes share GPU 0
-under an MPS daemon of their own; each jits K chained (collective, * 0.5) at 4 KiB and 64 KiB
+"""Where a staged collective's device time goes inside CUDA graphs: 2 (or 4) processes share
+GPU 0 under an MPS daemon of their own; each jits K chained (collective, * 0.5) at 4 KiB and 64 KiB
 per rank (psum, all_gather, ppermute; and `v + 1` alone), XLA's command buffers on. Prints,
 per rank, the wall time per op (20 calls back to back) and every kernel's CUPTI duration
 (jax's Mosaic GPU profiler, 5 calls): how many per op, the median, and the total per op (a
 total far above the median: a few waits on a late peer). The exchange kernel's median against
 a plain fusion's says what the protocol costs on the device.
 
-    PYTHONPATH=src python benchmarks/probe_chain_kernels.py [--sums 0,1]
+    PYTHONPATH=src python benchmarks/probe_chain_kernels.py [--sums 0,1] [--ranks 2,4]
 
---sums: JAX_HOCCL_STAGED_SUM settings to run (psum summed by XLA, or inside the kernel).
+--sums: JAX_HOCCL_STAGED_SUM settings to run (psum summed by XLA, or inside the kernel);
+--ranks: the numbers of processes to run it with.
 """
 from __future__ import annotations
 
@@ -71,21 +72,23 @@ WORKER = textwrap.dedent("""
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--sums", default="0,1", help="JAX_HOCCL_STAGED_SUM settings to run")
+  ap.add_argument("--ranks", default="2", help="numbers of processes, comma-separated")
   a = ap.parse_args(argv)
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_HOCCL_NODE")}
-  env.update(PJRT_NPROC="16", JAX_HOCCL_TIMEOUT_S="60", XLA_PYTHON_CLIENT_MEM_FRACTION="0.3",
+  env.update(PJRT_NPROC="16", JAX_HOCCL_TIMEOUT_S="60",
              XLA_FLAGS="--xla_gpu_shard_autotuning=false")
   failed = 0
-  for summed in a.sums.split(","):
+  for n, summed in [(int(n), s) for n in a.ranks.split(",") for s in a.sums.split(",")]:
     with mps_daemon() as mps:
-      found = run_workers(WORKER, 2, {**env, **mps, "JAX_HOCCL_STAGED_SUM": summed}, 300)
+      found = run_workers(WORKER, n, {**env, **mps, "JAX_HOCCL_STAGED_SUM": summed,
+                                      "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.6 / n:.2f}"}, 300)
     for rank, (code, text) in enumerate(found):
       lines = [line for line in text.splitlines() if line.startswith("RESULT")]
       if not lines:
         print(f"rank {rank} failed (exit {code}):\n{text[-2000:]}")
         failed += 1
         continue
-      print(f"== JAX_HOCCL_STAGED_SUM={summed}, rank {rank}")
+      print(f"== {n} ranks, JAX_HOCCL_STAGED_SUM={summed}, rank {rank}")
       for name, row in json.loads(lines[0][len("RESULT"):]).items():
         print(f"  {name:18s} wall {row['wall_us_per_op']:6.1f} us per op")
         for kernel, (count, median, total) in sorted(row["kernels"].items(),
