@@ -204,6 +204,27 @@ def test_steps_on_a_gpu_time_both_sums_with_command_buffers_on_and_off(monkeypat
             for e in mine} == {(s, b) for s in ("0", "1") for b in (False, True)}
 
 
+def test_steps_go_on_without_a_floor_that_cannot_be_measured(monkeypatch, tmp_path, capsys):
+  """bench --steps on a GPU where the raw floor fails (no IPC, say): every job still runs, once
+  per number of ranks the failure is printed, and the rows' floor_us is None."""
+  import contextlib
+  from jax_hoccl.bench import steps
+  monkeypatch.setattr(steps.glob, "glob", lambda pattern: ["/dev/nvidia0"])
+  monkeypatch.setattr(steps, "mps_daemon", lambda: contextlib.nullcontext({}))
+  row = {"kind": "device_latency", "op": "psum", "bytes_per_rank": 65536, "us": 9.0}
+  jobs = []
+  monkeypatch.setattr(steps, "_job", lambda n, env: (jobs.append(n), ([row], "gpu"))[1])
+
+  def fails(n, sizes, env):
+    raise RuntimeError("cuIpcOpenMemHandle: CUDA driver error 201")
+
+  monkeypatch.setattr(steps.staged_floor, "floors", fails)
+  result = json.load(open(steps.run(str(tmp_path), "test")))
+  assert jobs == [2] * 4 + [4] * 4
+  assert capsys.readouterr().out.count("no staged floor") == 2
+  assert result["device_latency"] and all(r["floor_us"] is None for r in result["device_latency"])
+
+
 def test_the_job_counts_a_rank_slow_on_its_own_once():
   """ranks.with_job: rank 1 is 40 us slower per round with or without the collective, which
   adds 5 us to rank 1 and, through the wait, 45 us to rank 0. The slowest rank's row says 45;
