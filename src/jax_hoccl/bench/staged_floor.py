@@ -24,7 +24,7 @@ LAUNCHES = 200
 REPEATS = 5
 
 WORKER = textwrap.dedent("""
-    import ctypes, json, os, statistics, sys, time
+    import ctypes, json, os, sys, time
     me, n = int(sys.argv[2]), int(sys.argv[3])
     sizes = [int(s) for s in os.environ["FLOOR_SIZES"].split(",")]
     per_graph, launches, repeats = (int(os.environ[v]) for v in

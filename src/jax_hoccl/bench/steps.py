@@ -157,7 +157,7 @@ def run(out_dir: str, commit: str) -> str:
   jobs = [(b, s) for b in (True, False) for s in (False, True)] if gpu else [(False, False)]
   step_bytes, chain_bytes = 64 * width * 2, 65536
   for n in ((2, 4) if gpu else (2,)):
-    floor = None  # {bytes: us}, measured once per number of ranks
+    floor = None if gpu else {}  # {bytes: us}, measured once per number of ranks on a GPU
     for buffers, summed in jobs:
       with contextlib.ExitStack() as stack:
         if gpu:
@@ -171,7 +171,7 @@ def run(out_dir: str, commit: str) -> str:
         if buffers or not gpu:
           env["CHAINS"] = "1"
         env["JAX_HOCCL_STAGED_SUM"] = "1" if summed else "0"
-        if gpu and floor is None:
+        if floor is None:
           try:
             floor = staged_floor.floors(n, (chain_bytes, step_bytes), env)
           except (RuntimeError, subprocess.TimeoutExpired) as e:  # the rows go on without it
@@ -192,10 +192,10 @@ def run(out_dir: str, commit: str) -> str:
                             cpu_us_per_step_by_rank=r["cpu_us_by_rank"],
                             baseline_cpu_us_per_step_by_rank=r["baseline_cpu_us_by_rank"],
                             recorded_per_call=r["recorded_per_call"],
-                            floor_us=(floor or {}).get(step_bytes)))
+                            floor_us=floor.get(step_bytes)))
         elif r["kind"] == "device_latency":
           latency.append(dict(op=r["op"], bytes_per_rank=r["bytes_per_rank"], **common,
-                              us_per_op=r["us"], floor_us=(floor or {}).get(r["bytes_per_rank"])))
+                              us_per_op=r["us"], floor_us=floor.get(r["bytes_per_rank"])))
         elif r["kind"] == "decode":
           decode.append(dict(op=r["op"], rows=r["rows"], k=decode_k, n=decode_k, **common,
                              layers=LAYERS, us_per_call=r["us"] / LAYERS,
