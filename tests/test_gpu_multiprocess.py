@@ -569,15 +569,21 @@ def test_two_processes_on_one_gpu_without_preallocation(tmp_path):
   assert max(maps) > 2, maps  # more than the one pool and the flags: several allocations
 
 
-@pytest.mark.parametrize("mover", ["exchange_kernel", "copy_calls"])
+# How a staged call moves its blocks: the exchange kernel (flags per chunk), copy calls and
+# stream memory operations, or the packed exchange (every staged call but ppermute's).
+MOVERS = {mover: {"JAX_HOCCL_STAGED_KERNEL": kernel, "JAX_HOCCL_STAGED_PACKED_BYTES": packed}
+          for mover, kernel, packed in (("exchange_kernel", "1", "0"), ("copy_calls", "0", "0"),
+                                        ("packed", "1", "1048576"))}
+
+
+@pytest.mark.parametrize("mover", ["exchange_kernel", "copy_calls", "packed"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_staged_path_under_mps(tmp_path, n, mover):
-  """exchange_kernel: async starts staged on their lanes too, and psum / psum_scatter of
-  floats summed inside the kernel (JAX_HOCCL_STAGED_SUM=1, bit for bit); copy_calls
-  (JAX_HOCCL_STAGED_KERNEL=0): staged on XLA's stream only, async starts zero copy, sums by
-  XLA."""
-  env = {"JAX_HOCCL_TIMEOUT_S": "60", "JAX_HOCCL_STAGED_BYTES": "4096",
-         "JAX_HOCCL_STAGED_KERNEL": "1" if mover == "exchange_kernel" else "0",
+  """exchange_kernel and packed: async starts staged on their lanes too, and psum /
+  psum_scatter of floats summed inside the kernel (JAX_HOCCL_STAGED_SUM=1, bit for bit);
+  copy_calls (JAX_HOCCL_STAGED_KERNEL=0): staged on XLA's stream only, async starts zero copy,
+  sums by XLA."""
+  env = {"JAX_HOCCL_TIMEOUT_S": "60", "JAX_HOCCL_STAGED_BYTES": "4096", **MOVERS[mover],
          "JAX_HOCCL_STAGED_SUM": "1"}
   with mps_daemon() as mps:
     outs = _run(tmp_path, STAGED_WORKER, timeout=300, env={**env, **mps}, n=n)
@@ -589,13 +595,13 @@ def test_staged_path_under_mps(tmp_path, n, mover):
 
 
 @pytest.mark.parametrize("capture,mover", [("on", "exchange_kernel"), ("on", "copy_calls"),
-                                           ("off", "exchange_kernel")])
+                                           ("on", "packed"), ("off", "exchange_kernel"),
+                                           ("off", "packed")])
 def test_staged_calls_inside_cuda_graphs(tmp_path, capture, mover):
   """on: XLA's default command buffers; off: --xla_gpu_enable_command_buffer= (none). The
   exchange kernel's captured calls alternate two slot sets by a count on the device; copy
   calls (JAX_HOCCL_STAGED_KERNEL=0) meet their peers' arrival first."""
-  env = {"JAX_HOCCL_TIMEOUT_S": "60", "CAPTURE": capture,
-         "JAX_HOCCL_STAGED_KERNEL": "1" if mover == "exchange_kernel" else "0",
+  env = {"JAX_HOCCL_TIMEOUT_S": "60", "CAPTURE": capture, **MOVERS[mover],
          "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"
          + (" --xla_gpu_enable_command_buffer=" if capture == "off" else "")}
   with mps_daemon() as mps:
@@ -652,10 +658,11 @@ def test_peer_that_never_calls_the_flagged_gemm_op(tmp_path, mover):
   assert "jax_hoccl matmul_reduce_scatter" in out and "rank 1 (device" in out, out[-3000:]
 
 
-def test_peer_that_never_comes_to_a_captured_call(tmp_path):
+@pytest.mark.parametrize("mover", ["exchange_kernel", "packed"])
+def test_peer_that_never_comes_to_a_captured_call(tmp_path, mover):
   """The wait is inside a replayed CUDA graph: no handler runs, the exchange kernel reports its
   own stall, and the watchdog ends it."""
-  env = {"MODE": "absent_captured", "JAX_HOCCL_TIMEOUT_S": "5",
+  env = {"MODE": "absent_captured", "JAX_HOCCL_TIMEOUT_S": "5", **MOVERS[mover],
          "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"}
   with mps_daemon() as mps:
     out = _run(tmp_path, FAILURE_WORKER, 120, {**env, **mps})[0]
@@ -671,11 +678,13 @@ def test_peer_that_exits(tmp_path):
   assert not shared_memory_left()
 
 
-@pytest.mark.parametrize("path", ["staged", "zero_copy"])
+@pytest.mark.parametrize("path", ["staged", "staged_packed", "zero_copy"])
 def test_mismatched_calls_are_an_immediate_error(tmp_path, path):
-  """Zero copy: the host rendezvous compares the calls. Staged: the flag values name the op
-  and size, and the watchdog reads them within a second or two of standing still."""
-  env = {"MODE": "mismatch", "JAX_HOCCL_TIMEOUT_S": "30"}
+  """Zero copy: the host rendezvous compares the calls. Staged: the flag values (packed: the
+  flags beside the data) name the op and size, and the watchdog reads them within a second or
+  two of standing still."""
+  env = {"MODE": "mismatch", "JAX_HOCCL_TIMEOUT_S": "30",
+         **MOVERS["packed" if path == "staged_packed" else "exchange_kernel"]}
   if path == "zero_copy":
     env["JAX_HOCCL_STAGED_BYTES"] = "0"
   outs = _run(tmp_path, FAILURE_WORKER, 120, env)

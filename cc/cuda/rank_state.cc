@@ -108,7 +108,8 @@ std::string SetupRank(RankState& st, Communicator& comm, const OpSpec& spec, int
   if (err.empty() && StagedRegionBytes(n)) err = AllocProgress(st, stream);
   if (err.empty() && StagedRegionBytes(n)) {
     cudaError_t e = LoadExchangeKernel();
-    if (e != cudaSuccess) err = CudaError("loading the staged exchange kernel", e);
+    if (e == cudaSuccess) e = LoadPackedKernel();
+    if (e != cudaSuccess) err = CudaError("loading the staged exchange kernels", e);
   }
   // Publish even on failure (as null) so peers fail fast instead of timing out.
   std::vector<uint64_t*> all;

@@ -1,24 +1,12 @@
 #include "cuda/staged/exchange_kernel.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
+#include "cuda/staged/kernel_common.cuh"
 #include "plan.h"
 
 namespace hoccl {
 namespace {
 
-constexpr int kThreads = 256;
-// How often a waiting thread looks at the watchdog's broken word.
-constexpr int kSpinsPerBrokenCheck = 256;
-constexpr uint64_t kStallReportNs = 1000000000ull;  // first report after a second
-constexpr uint64_t kStallBeatNs = 100000000ull;     // then every 100 ms
-
-__device__ __forceinline__ uint64_t GlobalTimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+using namespace staged_device;
 
 __device__ __forceinline__ uint64_t LoadAcquire(const uint64_t* p) {
   uint64_t v;
@@ -28,50 +16,6 @@ __device__ __forceinline__ uint64_t LoadAcquire(const uint64_t* p) {
 
 __device__ __forceinline__ void StoreRelease(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-// This CTA's part of a copy: 16-byte words when both ends allow, bytes for the rest.
-__device__ void CopyPart(char* dst, const char* src, size_t begin, size_t end) {
-  if (begin >= end) return;
-  dst += begin;
-  src += begin;
-  const size_t bytes = end - begin;
-  size_t done = 0;
-  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
-    const size_t words = bytes / 16;
-    const uint4* s = reinterpret_cast<const uint4*>(src);
-    uint4* d = reinterpret_cast<uint4*>(dst);
-    size_t i = threadIdx.x;
-    for (; i + 3 * kThreads < words; i += 4 * kThreads) {
-      const uint4 a = s[i], b = s[i + kThreads], c = s[i + 2 * kThreads], e = s[i + 3 * kThreads];
-      d[i] = a;
-      d[i + kThreads] = b;
-      d[i + 2 * kThreads] = c;
-      d[i + 3 * kThreads] = e;
-    }
-    for (; i < words; i += kThreads) d[i] = s[i];
-    done = words * 16;
-  }
-  for (size_t i = done + threadIdx.x; i < bytes; i += kThreads) dst[i] = src[i];
-}
-
-// Element conversions of the summed exchange: float32 accumulation, one rounding at the end.
-__device__ __forceinline__ float ToFloat(float v) { return v; }
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
-template <typename T>
-__device__ __forceinline__ T FromFloat(float v);
-template <>
-__device__ __forceinline__ float FromFloat<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half FromFloat<__half>(float v) {
-  return __float2half_rn(v);
 }
 
 // This CTA's part of out = src[0] + src[1] + ... + src[n - 1], a left fold in rank order (the
@@ -138,24 +82,13 @@ __device__ void SumPart(char* out, const char* const* src, int n, size_t begin, 
 // the group meanwhile (the wait is abandoned).
 __device__ bool WaitAndReset(uint64_t* flag, uint64_t value, int sender,
                              const StagedKernelArgs& a) {
-  uint64_t start = 0, beat = 0;
+  StallClock clock;
   for (int spins = 0;; ++spins) {
     const uint64_t seen = LoadAcquire(flag);
     if (seen == value) break;
-    if (spins % kSpinsPerBrokenCheck == kSpinsPerBrokenCheck - 1) {
-      if (*a.broken) return false;
-      const uint64_t now = GlobalTimer();
-      if (!start) start = now;
-      if (now - start >= kStallReportNs && now - beat >= kStallBeatNs) {
-        beat = now;
-        a.host->stall_sender = sender;
-        a.host->stall_seen = seen;
-        a.host->stall_expected = value;
-        a.host->stall_tag = a.tag;
-        __threadfence_system();
-        a.host->stall_beats = a.host->stall_beats + 1;
-      }
-    }
+    if (spins % kSpinsPerBrokenCheck == kSpinsPerBrokenCheck - 1 &&
+        !clock.Tick(a, sender, seen, value))
+      return false;
   }
   *flag = 0;
   return true;
@@ -189,10 +122,7 @@ __global__ void __launch_bounds__(kThreads) ExchangeKernel(const StagedKernelArg
   const bool all_to_all = a.kind == StagedKind::kAllToAll;
   __shared__ bool ok;
   __shared__ int set;
-  // A captured call: the set of its count's parity (my earlier captured kernels, which
-  // counted themselves, ended before this one started).
-  if (threadIdx.x == 0)
-    set = a.captured ? a.layout.captured_set + static_cast<int>(*a.captured_count & 1) : a.set;
+  if (threadIdx.x == 0) set = CallSet(a);
   __syncthreads();
   // My block into every peer's slot, and my own.
   if (a.kind == StagedKind::kPermute) {
@@ -238,24 +168,7 @@ __global__ void __launch_bounds__(kThreads) ExchangeKernel(const StagedKernelArg
   if (a.kind == StagedKind::kPermute && a.permute_src < 0)
     for (size_t i = begin + threadIdx.x; i < end; i += kThreads) a.out[i] = 0;
   __syncthreads();
-  if (threadIdx.x == 0 && (a.progress_value || a.captured)) {
-    // The grid's last CTA (one CTA alone needs no count of them).
-    bool last = gridDim.x == 1;
-    if (!last) {
-      __threadfence();
-      last = atomicAdd(a.ctas_done, 1u) == gridDim.x - 1;
-      if (last) *a.ctas_done = 0;
-    }
-    if (last) {
-      if (a.captured) *a.captured_count += 1;  // read by the next captured call's kernel
-      // The count needs no fence: the next captured call's kernel follows in stream order.
-      // The host's progress word does (the watchdog reads it from the host).
-      if (a.progress_value) {
-        __threadfence_system();
-        a.host->progress[a.lane] = a.progress_value;
-      }
-    }
-  }
+  FinishCall(a);
 }
 
 }  // namespace

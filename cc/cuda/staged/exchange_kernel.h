@@ -38,10 +38,12 @@ struct StagedHostWords {
 
 // Where every rank's staged region lies (cuda/staged/staged_layout.h computes the same): a
 // slot set's flags at flags + (set * n + sender) * kChunkFlags words, its slots at
-// slots + (set * n + sender) * slot_bytes, from each rank's base.
+// slots + (set * n + sender) * slot_bytes, its packed slots (packed_kernel.h) at
+// packed + (set * n + sender) * packed_slot_bytes, from each rank's base.
 struct StagedKernelLayout {
   char* base[kKernelMaxRanks];  // every rank's allocation, by rank
   size_t flags, slots, slot_bytes;
+  size_t packed, packed_slot_bytes;
   int captured_set;  // the captured calls' first slot set (of two)
 };
 

@@ -12,6 +12,7 @@
 #include "cuda/cuda_util.h"
 #include "cuda/driver_api.h"
 #include "cuda/staged/exchange_kernel.h"
+#include "cuda/staged/packed_kernel.h"
 #include "cuda/staged/staged_layout.h"
 #include "cuda/staged/watchdog.h"
 #include "cuda/stream_mem_ops.h"
@@ -86,10 +87,11 @@ std::string KernelExchange(const RankState& st, const Call& c) {
   a.out = c.out;
   a.block = c.block;
   a.value = c.value;
-  const int ctas = ExchangeCtas(c.block, &a.chunk);
   a.kind = spec.op == OpKind::kPermute    ? StagedKind::kPermute
            : spec.op == OpKind::kAllToAll ? StagedKind::kAllToAll
                                           : StagedKind::kGather;
+  const bool packed = PackedServes(a.kind, c.block, PackedSlotBytes());
+  const int ctas = packed ? PackedCtas(c.block) : ExchangeCtas(c.block, &a.chunk);
   a.n = n;
   a.rank = r;
   a.set = c.set;
@@ -108,7 +110,8 @@ std::string KernelExchange(const RankState& st, const Call& c) {
   a.host = st.host_words_device;
   a.layout = st.kernel_layout;
   HostTimer launch("api: exchange kernel");
-  cudaError_t e = LaunchExchangeKernel(a, ctas, c.stream);
+  cudaError_t e =
+      packed ? LaunchPackedKernel(a, ctas, c.stream) : LaunchExchangeKernel(a, ctas, c.stream);
   return e == cudaSuccess ? "" : CudaError("the exchange kernel's launch", e);
 }
 

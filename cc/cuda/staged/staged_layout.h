@@ -12,6 +12,7 @@
 #include "cuda/cuda_util.h"
 #include "cuda/rank_state.h"
 #include "cuda/staged/exchange_kernel.h"
+#include "cuda/staged/packed_kernel.h"
 
 namespace hoccl {
 
@@ -23,6 +24,22 @@ inline size_t StagedSlotBytes() {
       (EnvInt("JAX_HOCCL_STAGED_BYTES", kDefaultStagedBytes, 0) + 255) / 256 * 256);
   return bytes;
 }
+
+// The packed exchange's crossover (cuda/staged/packed_kernel.h): blocks of all_gather,
+// all_to_all, psum and psum_scatter of at most this many bytes take it; env
+// JAX_HOCCL_STAGED_PACKED_BYTES (0 = never), read once, at most the staged crossover. Its
+// slots hold twice this (a flag beside every 4 bytes).
+constexpr long long kDefaultPackedBytes = 0;
+inline size_t PackedSlotBytes() {
+  static const size_t bytes = [] {
+    size_t b = static_cast<size_t>(
+        (EnvInt("JAX_HOCCL_STAGED_PACKED_BYTES", kDefaultPackedBytes, 0) + 15) / 16 * 16);
+    if (b > StagedSlotBytes()) b = StagedSlotBytes();
+    return b < kPackedMaxBytes ? b : kPackedMaxBytes;
+  }();
+  return bytes;
+}
+inline size_t PackedRegionSlotBytes() { return (2 * PackedSlotBytes() + 255) / 256 * 256; }
 
 // Slot sets: two parities per lane for calls enqueued by the host (docs/design.md), and two
 // for the calls XLA captures into CUDA graphs (only XLA's stream, lane 0, is captured): the
@@ -43,7 +60,9 @@ inline size_t StagedFlagBytes(int n) {
 // The staged region's bytes (0 when the staged path is off).
 inline size_t StagedRegionBytes(int n) {
   const size_t slot = StagedSlotBytes();
-  return slot ? StagedFlagBytes(n) + static_cast<size_t>(kSlotSets) * n * slot : 0;
+  return slot ? StagedFlagBytes(n) +
+                    static_cast<size_t>(kSlotSets) * n * (slot + PackedRegionSlotBytes())
+              : 0;
 }
 
 // In the allocation at `base` of a group of n: the ready flags (kChunkFlags) that `sender`
@@ -55,6 +74,11 @@ inline uint64_t* StagedFlag(char* base, int n, int set, int sender) {
 inline char* StagedSlot(char* base, int n, int set, int sender) {
   return base + ZeroCopyFlagBytes(n) + StagedFlagBytes(n) +
          (static_cast<size_t>(set) * n + sender) * StagedSlotBytes();
+}
+// The packed slot `sender` writes into, of slot set `set`.
+inline char* PackedSlot(char* base, int n, int set, int sender) {
+  return StagedSlot(base, n, kSlotSets, 0) +
+         (static_cast<size_t>(set) * n + sender) * PackedRegionSlotBytes();
 }
 // The flag `sender` raises once it has arrived at a captured call (its earlier captured calls'
 // copies out of its slots are done).
@@ -78,6 +102,8 @@ inline StagedKernelLayout KernelLayout(const std::vector<char*>& bases) {
   l.flags = reinterpret_cast<char*>(StagedFlag(b, n, 0, 0)) - b;
   l.slots = StagedSlot(b, n, 0, 0) - b;
   l.slot_bytes = StagedSlotBytes();
+  l.packed = PackedSlot(b, n, 0, 0) - b;
+  l.packed_slot_bytes = PackedRegionSlotBytes();
   l.captured_set = kCapturedSet;
   return l;
 }
