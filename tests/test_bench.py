@@ -122,6 +122,7 @@ def test_steps_rows_set_each_step_beside_the_step_without_collectives(tmp_path, 
   for r in rows:
     assert r["layers"] == steps.LAYERS and r["ranks"] == 2 and r["floor_us"] is None
     assert r["staged_sum"] is False  # the sum inside the exchange kernel is CUDA's
+    assert r["staged_packed"] is True  # (the packed exchange too: the A/B runs on a GPU)
     assert r["us_per_step"] > 0 and r["baseline_us_per_step"] > 0
     assert abs(r["per_collective_us"] * r["layers"] - r["added_us_per_step"]) < 1e-6
     low, high = r["added_quartiles_us"]
@@ -142,14 +143,16 @@ def test_steps_rows_set_each_step_beside_the_step_without_collectives(tmp_path, 
 
 
 def test_processes_on_a_gpu_time_both_sums_with_and_without_graphs(monkeypatch):
-  """bench --processes on a GPU: every path, and the staged sums by XLA and inside the exchange
-  kernel (JAX_HOCCL_STAGED_SUM=1), each also with every program in CUDA graphs."""
+  """bench --processes on a GPU: every path (the staged one also without the packed exchange),
+  and the staged sums by XLA and inside the exchange kernel (JAX_HOCCL_STAGED_SUM=1), each also
+  with every program in CUDA graphs."""
   from jax_hoccl.bench import processes
   monkeypatch.delenv("JAX_HOCCL_STAGED_BYTES", raising=False)
   settings = processes._settings(True, "--flags")
   graphs = {"XLA_FLAGS": f"--flags {processes.CAPTURED_FLAG}"}
   for want in ({}, {"JAX_HOCCL_STAGED_SUM": "1"}, graphs, {**graphs, "JAX_HOCCL_STAGED_SUM": "1"},
                {"JAX_HOCCL_STAGED_KERNEL": "0"}, {"JAX_HOCCL_STAGED_BYTES": "0"},
+               {"JAX_HOCCL_STAGED_PACKED_BYTES": "0"},
                {**graphs, "JAX_HOCCL_STAGED_SUM": "1", "BENCH_DONATE": "1"}):
     assert want in settings, settings
   assert processes._settings(False, "") == [{}, {"JAX_HOCCL_STAGED_BYTES": "0"}]

@@ -154,6 +154,8 @@ NB_MODULE(_hoccl, m) {
 #ifdef JAX_HOCCL_WITH_CUDA
   m.def("staged_captured_calls", &hoccl::StagedCapturedCalls,
         "staged calls recorded into CUDA graphs (their replays do not run the handler)");
+  m.def("staged_packed_calls", &hoccl::StagedPackedCalls,
+        "staged calls whose handler enqueued the packed exchange (cc/cuda/staged/packed_kernel.h)");
   m.def("staged_lanes", &hoccl::StagedLanes,
         "(rank, lane, calls enqueued, calls the GPU got past) of every staged lane used");
   m.def("live_peer_mappings", &hoccl::LivePeerMappings,

@@ -24,6 +24,7 @@ namespace {
 constexpr uint64_t kSizeMask = (uint64_t{1} << 48) - 1;
 
 std::atomic<uint64_t> g_captured_calls{0};
+std::atomic<uint64_t> g_packed_calls{0};
 
 struct CopyList {
   std::vector<void*> dst;
@@ -92,6 +93,7 @@ std::string KernelExchange(const RankState& st, const Call& c) {
                                           : StagedKind::kGather;
   const bool packed = PackedServes(a.kind, c.block, PackedSlotBytes());
   const int ctas = packed ? PackedCtas(c.block) : ExchangeCtas(c.block, &a.chunk);
+  if (packed) g_packed_calls.fetch_add(1);
   a.n = n;
   a.rank = r;
   a.set = c.set;
@@ -176,6 +178,7 @@ bool StagedKernelServes(int n) {
 }
 
 uint64_t StagedCapturedCalls() { return g_captured_calls.load(); }
+uint64_t StagedPackedCalls() { return g_packed_calls.load(); }
 
 bool StagedEligible(const OpSpec& spec) {
   const size_t slot = StagedSlotBytes();

@@ -39,6 +39,8 @@ bool StagedKernelServes(int n);
 
 // How many staged calls ran under stream capture (recorded into a CUDA graph) so far.
 uint64_t StagedCapturedCalls();
+// How many staged calls' handlers enqueued the packed exchange (packed_kernel.h) so far.
+uint64_t StagedPackedCalls();
 
 // Enqueues spec.rank's part on `stream` (lane `lane`; `captured`: the stream is being recorded
 // into a CUDA graph); `op` is the user's op for messages.

@@ -36,8 +36,9 @@ per call: "cpu_us_per_call_by_rank", "baseline_cpu_us_per_call_by_rank"; its con
 switches per call, [voluntary, involuntary]: "switches_per_call_by_rank",
 "baseline_switches_per_call_by_rank"); "path" is the path
 the op's calls took ("staged", "rendezvous" or "zero_copy", as the engine counted them on
-CPU); on a GPU's staged rows, "exchange": "kernel" or "copy_calls" (and for psum and
-psum_scatter "sum": "kernel" or "xla", who adds the blocks), and on a GPU "captured": whether
+CPU); on a GPU's staged rows, "exchange": "packed" (the packed exchange, blocks up to
+JAX_HOCCL_STAGED_PACKED_BYTES), "kernel" or "copy_calls" (and for psum and psum_scatter
+"sum": "kernel" or "xla", who adds the blocks), and on a GPU "captured": whether
 XLA recorded the calls into CUDA graphs, and "recorded_per_call": how many times per call the
 handler ran under capture (XLA traces a call for each set of buffer addresses it has not kept
 a trace of; on replay, and on updating a graph from kept traces, the handler does not run).
@@ -114,13 +115,16 @@ WORKER = textwrap.dedent("""
             NamedSharding(mesh, P("x")), np.ones((1, nbytes // 4), np.float32))
 
     recorded = getattr(_hoccl, "staged_captured_calls", lambda: 0)  # into CUDA graphs
-    captured_rows = {}
+    packed_calls = getattr(_hoccl, "staged_packed_calls", lambda: 0)  # the packed exchange
+    captured_rows, packed_rows = {}, {}
 
     def taking(op, nbytes, measure, ncalls):  # measure(the op's program) of ncalls calls,
         before, captured = _hoccl.cpu_calls_by_path(), recorded()  # the path its calls took
+        packed = packed_calls()
         result = measure(program(op))
         after = _hoccl.cpu_calls_by_path()
         captured_rows[op, nbytes] = (recorded() - captured) / ncalls
+        packed_rows[op, nbytes] = packed_calls() > packed
         took = sorted(k for k in after if after[k] > before[k])
         staged = (os.environ.get("JAX_HOCCL_STAGED_BYTES") != "0"
                   and nbytes <= DEFAULT_STAGED_BYTES)
@@ -143,7 +147,8 @@ WORKER = textwrap.dedent("""
         out = {"captured": recorded_per_call > 0, "recorded_per_call": round(recorded_per_call, 3)}
         if path == "staged":
             kernel = os.environ.get("JAX_HOCCL_STAGED_KERNEL") != "0"
-            out["exchange"] = "kernel" if kernel else "copy_calls"
+            out["exchange"] = ("packed" if packed_rows[op, nbytes] else "kernel" if kernel
+                               else "copy_calls")
             if op in ("psum", "psum_scatter"):  # who adds: the exchange kernel, or XLA after it
                 out["sum"] = ("kernel" if kernel and os.environ.get("JAX_HOCCL_STAGED_SUM") == "1"
                               else "xla")
@@ -197,7 +202,8 @@ def _run(n: int, env: dict):
 
 def _settings(gpu: bool, xla_flags: str) -> list[dict]:
   """The crossover of each job: the caller's, else the default and 0 (both paths); on a GPU
-  also the staged path's copy-call exchange, the staged sums inside the exchange kernel
+  also the staged path without the packed exchange (JAX_HOCCL_STAGED_PACKED_BYTES=0: the
+  exchange kernel with its flags at every size), its copy-call exchange, the staged sums inside the exchange kernel
   (JAX_HOCCL_STAGED_SUM=1), every program in CUDA graphs with either sum (`xla_flags`: the
   jobs' XLA flags), and in graphs with the sums inside the kernel and each call's input
   donated (BENCH_DONATE=1)."""
@@ -206,8 +212,8 @@ def _settings(gpu: bool, xla_flags: str) -> list[dict]:
   if not gpu:
     return [{}, {"JAX_HOCCL_STAGED_BYTES": "0"}]
   graphs = {"XLA_FLAGS": f"{xla_flags} {CAPTURED_FLAG}"}
-  return [{}, {"JAX_HOCCL_STAGED_KERNEL": "0"}, {"JAX_HOCCL_STAGED_BYTES": "0"},
-          {"JAX_HOCCL_STAGED_SUM": "1"}, graphs, {**graphs, "JAX_HOCCL_STAGED_SUM": "1"},
+  return [{}, {"JAX_HOCCL_STAGED_PACKED_BYTES": "0"}, {"JAX_HOCCL_STAGED_KERNEL": "0"},
+          {"JAX_HOCCL_STAGED_BYTES": "0"}, {"JAX_HOCCL_STAGED_SUM": "1"}, graphs, {**graphs, "JAX_HOCCL_STAGED_SUM": "1"},
           {**graphs, "JAX_HOCCL_STAGED_SUM": "1", "BENCH_DONATE": "1"}]
 
 

@@ -9,7 +9,9 @@ without a GPU, 2 processes of one CPU device each.
 Rows (from the rank that the collectives add most to; paired.py: paired rounds of the program
 with and without them, "added" the median of the rounds' differences, its quartiles beside),
 each with "staged_sum": whether the staged psums were summed inside the exchange kernel
-(JAX_HOCCL_STAGED_SUM=1; on a GPU every job runs with it off and on):
+(JAX_HOCCL_STAGED_SUM=1; on a GPU every job runs with it off and on), and "staged_packed":
+whether blocks up to JAX_HOCCL_STAGED_PACKED_BYTES took the packed exchange (on a GPU the
+jobs in CUDA graphs run with it off too):
   "step": {"op", "layers", "ranks", "mps", "command_buffers", "us_per_step",
            "baseline_us_per_step", "added_us_per_step", "added_quartiles_us",
            "per_collective_us", "job_added_us_per_step", "job_per_collective_us",
@@ -153,12 +155,14 @@ def run(out_dir: str, commit: str) -> str:
   base.update(LAYERS=str(LAYERS), CHAIN=str(CHAIN), WIDTH=str(width), DECODE_K=str(decode_k),
               ROUNDS=str(ROUNDS), CALLS=str(CALLS))
   steps, latency, decode = [], [], []
-  # on a GPU each setting with the staged sums by XLA and inside the exchange kernel
-  jobs = [(b, s) for b in (True, False) for s in (False, True)] if gpu else [(False, False)]
+  # on a GPU each setting with the staged sums by XLA and inside the exchange kernel, and in
+  # graphs also without the packed exchange (the exchange kernel's flags at every size)
+  jobs = ([(b, s, p) for b in (True, False) for p in ((True, False) if b else (True,))
+           for s in (False, True)] if gpu else [(False, False, True)])
   step_bytes, chain_bytes = 64 * width * 2, 65536
   for n in ((2, 4) if gpu else (2,)):
     floor = None if gpu else {}  # {bytes: us}, measured once per number of ranks on a GPU
-    for buffers, summed in jobs:
+    for buffers, summed, packed in jobs:
       with contextlib.ExitStack() as stack:
         if gpu:
           flags = "--xla_gpu_shard_autotuning=false"
@@ -171,6 +175,8 @@ def run(out_dir: str, commit: str) -> str:
         if buffers or not gpu:
           env["CHAINS"] = "1"
         env["JAX_HOCCL_STAGED_SUM"] = "1" if summed else "0"
+        if not packed:
+          env["JAX_HOCCL_STAGED_PACKED_BYTES"] = "0"
         if floor is None:
           try:
             floor = staged_floor.floors(n, (chain_bytes, step_bytes), env)
@@ -178,7 +184,7 @@ def run(out_dir: str, commit: str) -> str:
             print(f"no staged floor with {n} ranks: {e}")
             floor = {}
         rows, plat = _job(n, env)
-      common = dict(ranks=n, mps=gpu, staged_sum=summed)
+      common = dict(ranks=n, mps=gpu, staged_sum=summed, staged_packed=packed)
       for r in rows:
         if r["kind"] == "step":
           steps.append(dict(op=r["op"], layers=LAYERS, command_buffers=buffers, **common,
@@ -217,8 +223,8 @@ def run(out_dir: str, commit: str) -> str:
   def against_floor(us, floor):
     return f" ({us / floor:.2f}x the floor, {floor:.1f} us)" if floor else ""
 
-  def summed_by(r):  # who summed the staged psums
-    return "kernel" if r["staged_sum"] else "xla"
+  def summed_by(r):  # who summed the staged psums, and whether small blocks went packed
+    return ("kernel" if r["staged_sum"] else "xla") + ("" if r["staged_packed"] else " unpacked")
 
   for r in steps:
     print(f"step {r['op']:<10} ranks {r['ranks']} graphs {str(r['command_buffers']):<5} "
