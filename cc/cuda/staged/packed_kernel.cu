@@ -137,39 +137,49 @@ __global__ void __launch_bounds__(kThreads) PackedKernel(const StagedKernelArgs 
   const int n = a.n, r = a.rank;
   const bool all_to_all = a.kind == StagedKind::kAllToAll;
   const uint32_t flag = PackedFlag(a.value);
-  const size_t lines = (a.block + 7) / 8;
-  const size_t chunk_end =
-      (blockIdx.x + 1) * kChunkLines < lines ? (blockIdx.x + 1) * kChunkLines : lines;
-  Lines my{blockIdx.x * kChunkLines + threadIdx.x, 0};
-  while (my.count < kLines && my.At(my.count) < chunk_end) ++my.count;
+  // This CTA's lines [begin, end), taken kChunkLines (kLines per thread) at a time.
+  const size_t lines = (a.block + 7) / 8, per_cta = a.chunk / 8;
+  const size_t begin = blockIdx.x * per_cta;
+  const size_t end = begin + per_cta < lines ? begin + per_cta : lines;
+  auto lines_from = [&](size_t pass) {
+    Lines my{pass + threadIdx.x, 0};
+    while (my.count < kLines && my.At(my.count) < end) ++my.count;
+    return my;
+  };
   __shared__ int call_set;
   if (threadIdx.x == 0) call_set = CallSet(a);
   __syncthreads();
   const int set = call_set;
   // My block into every peer's slot, data and flag in each word; and my own.
-  for (int k = 1; k < n; ++k) {
-    const int d = (r + k) % n;
-    const char* src = a.in + (all_to_all ? d * a.block : 0);
-    char* slot = PackedSlot(a.layout, d, n, set, r);
-    for (int j = 0; j < my.count; ++j)
-      StoreLine(slot + 16 * my.At(j), LoadData(src, 8 * my.At(j), a.block), flag);
-  }
   const char* own = a.in + (all_to_all ? r * a.block : 0);
-  if (!a.skip_own && !a.sum)
-    for (int j = 0; j < my.count; ++j)
-      StoreData(a.out + r * a.block, 8 * my.At(j), a.block, LoadData(own, 8 * my.At(j), a.block));
+  for (size_t pass = begin; pass < end; pass += kChunkLines) {
+    const Lines my = lines_from(pass);
+    for (int k = 1; k < n; ++k) {
+      const int d = (r + k) % n;
+      const char* src = a.in + (all_to_all ? d * a.block : 0);
+      char* slot = PackedSlot(a.layout, d, n, set, r);
+      for (int j = 0; j < my.count; ++j)
+        StoreLine(slot + 16 * my.At(j), LoadData(src, 8 * my.At(j), a.block), flag);
+    }
+    if (!a.skip_own && !a.sum)
+      for (int j = 0; j < my.count; ++j)
+        StoreData(a.out + r * a.block, 8 * my.At(j), a.block, LoadData(own, 8 * my.At(j), a.block));
+  }
   // Every peer's block out of my slots as its words arrive (or summed).
   bool ok = true;
-  if (a.sum) {
-    switch (static_cast<SumType>(a.sum)) {
-      case SumType::kF32: ok = SumLines<float>(a, set, my, flag, own); break;
-      case SumType::kBF16: ok = SumLines<__nv_bfloat16>(a, set, my, flag, own); break;
-      case SumType::kF16: ok = SumLines<__half>(a, set, my, flag, own); break;
-      default: break;
+  for (size_t pass = begin; ok && pass < end; pass += kChunkLines) {
+    const Lines my = lines_from(pass);
+    if (a.sum) {
+      switch (static_cast<SumType>(a.sum)) {
+        case SumType::kF32: ok = SumLines<float>(a, set, my, flag, own); break;
+        case SumType::kBF16: ok = SumLines<__nv_bfloat16>(a, set, my, flag, own); break;
+        case SumType::kF16: ok = SumLines<__half>(a, set, my, flag, own); break;
+        default: break;
+      }
+      for (int s = 0; ok && s < n; ++s)
+        if (s != r) ZeroLines(PackedSlot(a.layout, r, n, set, s), my);
+      continue;
     }
-    for (int s = 0; ok && s < n; ++s)
-      if (s != r) ZeroLines(PackedSlot(a.layout, r, n, set, s), my);
-  } else {
     for (int k = 1; ok && k < n; ++k) {
       const int s = (r + k) % n;
       char* slot = PackedSlot(a.layout, r, n, set, s);
@@ -187,8 +197,13 @@ __global__ void __launch_bounds__(kThreads) PackedKernel(const StagedKernelArgs 
 
 }  // namespace
 
-int PackedCtas(size_t block) {
-  const size_t ctas = (block + kPackedChunkBytes - 1) / kPackedChunkBytes;
+int PackedCtas(size_t block, size_t* chunk) {
+  // kPackedChunkBytes per CTA, more once that would take over kChunkFlags CTAs.
+  size_t per = (block + kChunkFlags - 1) / kChunkFlags;
+  per = (per + kPackedChunkBytes - 1) / kPackedChunkBytes * kPackedChunkBytes;
+  if (per < kPackedChunkBytes) per = kPackedChunkBytes;
+  *chunk = per;
+  const size_t ctas = (block + per - 1) / per;
   return ctas ? static_cast<int>(ctas) : 1;
 }
 

@@ -17,7 +17,7 @@
 
 namespace hoccl {
 
-// Data bytes a CTA moves of each block (a multiple of 16): 4 lines of 16 bytes per thread.
+// Data bytes a CTA moves of each block at a time (a multiple of 16): 4 lines per thread.
 constexpr size_t kPackedChunkBytes = 8 << 10;
 // Blocks this large at most fit the packed slots (the slot holds twice the block).
 constexpr size_t kPackedMaxBytes = size_t{1} << 23;
@@ -42,13 +42,16 @@ inline bool PackedServes(StagedKind kind, size_t block, size_t packed_bytes) {
   return kind != StagedKind::kPermute && block && block <= packed_bytes;
 }
 
-// The number of CTAs for a block of `block` bytes (each moves kPackedChunkBytes of it).
-int PackedCtas(size_t block);
+// The number of CTAs for a block of `block` bytes, at most kChunkFlags as the exchange
+// kernel's (a CTA waits only for its peers' CTA of its index, so where ranks share a GPU all
+// their CTAs must be able to be resident at once); `chunk`: the bytes each moves (a multiple
+// of kPackedChunkBytes).
+int PackedCtas(size_t block, size_t* chunk);
 
 // Loads the kernel into the current context (before any stream capture needs it).
 cudaError_t LoadPackedKernel();
 
-// Launches the packed exchange on `stream` (args.chunk is ignored).
+// Launches the packed exchange on `stream` (args.chunk from PackedCtas).
 cudaError_t LaunchPackedKernel(const StagedKernelArgs& args, int ctas, cudaStream_t stream);
 
 }  // namespace hoccl

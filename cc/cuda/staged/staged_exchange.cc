@@ -92,7 +92,7 @@ std::string KernelExchange(const RankState& st, const Call& c) {
            : spec.op == OpKind::kAllToAll ? StagedKind::kAllToAll
                                           : StagedKind::kGather;
   const bool packed = PackedServes(a.kind, c.block, PackedSlotBytes());
-  const int ctas = packed ? PackedCtas(c.block) : ExchangeCtas(c.block, &a.chunk);
+  const int ctas = packed ? PackedCtas(c.block, &a.chunk) : ExchangeCtas(c.block, &a.chunk);
   if (packed) g_packed_calls.fetch_add(1);
   a.n = n;
   a.rank = r;
