@@ -29,7 +29,7 @@ inline size_t StagedSlotBytes() {
 // all_to_all, psum and psum_scatter of at most this many bytes take it; env
 // JAX_HOCCL_STAGED_PACKED_BYTES (0 = never), read once, at most the staged crossover. Its
 // slots hold twice this (a flag beside every 4 bytes).
-constexpr long long kDefaultPackedBytes = 64 << 10;
+constexpr long long kDefaultPackedBytes = 128 << 10;
 inline size_t PackedSlotBytes() {
   static const size_t bytes = [] {
     size_t b = static_cast<size_t>(
