@@ -226,7 +226,7 @@ def test_steps_go_on_without_a_floor_that_cannot_be_measured(monkeypatch, tmp_pa
 
   monkeypatch.setattr(steps.staged_floor, "floors", fails)
   result = json.load(open(steps.run(str(tmp_path), "test")))
-  assert jobs == [2] * 4 + [4] * 4
+  assert jobs == [2] * 6 + [4] * 6
   assert capsys.readouterr().out.count("no staged floor") == 2
   assert result["device_latency"] and all(r["floor_us"] is None for r in result["device_latency"])
 

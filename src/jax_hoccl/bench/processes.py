@@ -203,9 +203,9 @@ def _run(n: int, env: dict):
 def _settings(gpu: bool, xla_flags: str) -> list[dict]:
   """The crossover of each job: the caller's, else the default and 0 (both paths); on a GPU
   also the staged path without the packed exchange (JAX_HOCCL_STAGED_PACKED_BYTES=0: the
-  exchange kernel with its flags at every size), its copy-call exchange, the staged sums inside the exchange kernel
-  (JAX_HOCCL_STAGED_SUM=1), every program in CUDA graphs with either sum (`xla_flags`: the
-  jobs' XLA flags), and in graphs with the sums inside the kernel and each call's input
+  exchange kernel with its flags at every size), its copy-call exchange, the staged sums
+  inside the exchange kernel (JAX_HOCCL_STAGED_SUM=1), every program in CUDA graphs with
+  either sum (`xla_flags`: the jobs' XLA flags), and in graphs with the sums inside the kernel and each call's input
   donated (BENCH_DONATE=1)."""
   if os.environ.get("JAX_HOCCL_STAGED_BYTES"):
     return [{}]
@@ -213,7 +213,8 @@ def _settings(gpu: bool, xla_flags: str) -> list[dict]:
     return [{}, {"JAX_HOCCL_STAGED_BYTES": "0"}]
   graphs = {"XLA_FLAGS": f"{xla_flags} {CAPTURED_FLAG}"}
   return [{}, {"JAX_HOCCL_STAGED_PACKED_BYTES": "0"}, {"JAX_HOCCL_STAGED_KERNEL": "0"},
-          {"JAX_HOCCL_STAGED_BYTES": "0"}, {"JAX_HOCCL_STAGED_SUM": "1"}, graphs, {**graphs, "JAX_HOCCL_STAGED_SUM": "1"},
+          {"JAX_HOCCL_STAGED_BYTES": "0"}, {"JAX_HOCCL_STAGED_SUM": "1"}, graphs,
+          {**graphs, "JAX_HOCCL_STAGED_SUM": "1"},
           {**graphs, "JAX_HOCCL_STAGED_SUM": "1", "BENCH_DONATE": "1"}]
 
 
