@@ -383,6 +383,42 @@ SIZES_WORKER = PRELUDE + textwrap.dedent("""
 """)
 
 
+# The packed exchange at the sizes that stress it: blocks of 1 MiB (32 CTAs a call, each
+# taking its lines in passes; 4 ranks' CTAs all resident at once), blocks that end inside an
+# 8-byte word, summed in the kernel bit for bit; 20 calls each, so both slot sets are reused
+# and every word read is zeroed before its next writer.
+PACKED_WORKER = PRELUDE + textwrap.dedent("""
+    assert os.environ["JAX_HOCCL_STAGED_PACKED_BYTES"] == "1048576"
+    before = _hoccl.staged_packed_calls()
+    for dtype, shape in ((jnp.bfloat16, (64, 8192)), (np.float32, (n, 7)), (jnp.bfloat16, (1, 3)),
+                         (np.float16, (n, 40000))):
+        xs = [(np.random.default_rng(7 + r).standard_normal(shape) * 4).astype(dtype)
+              for r in range(n)]
+        acc = xs[0].astype(np.float32)
+        for v in xs[1:]:
+            acc = acc + v.astype(np.float32)
+        fold = acc.astype(dtype)  # sum_leading's order: bit for bit
+        ops = [(lambda v: jax_hoccl.psum(v, "tp"), fold),
+               (lambda v: jax_hoccl.all_gather(v, "tp", tiled=True), np.concatenate(xs))]
+        if shape[0] % n == 0:
+            ops += [(lambda v: jax_hoccl.psum_scatter(v, "tp", tiled=True), np.split(fold, n)[me]),
+                    (lambda v: jax_hoccl.all_to_all(v, "tp", 0, 0, tiled=True),
+                     np.concatenate([np.split(x, n)[me] for x in xs]))]
+        x = shard(xs[me])
+        for op, want in ops:
+            f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=spec, out_specs=spec,
+                                      check_vma=False))
+            for call in range(20):
+                got = np.asarray(f(x).addressable_shards[0].data)
+                assert got.dtype == want.dtype and np.array_equal(got, want), (
+                    shape, np.dtype(dtype).name, call)
+        print(f"OK packed {np.dtype(dtype).name} {shape}", flush=True)
+    assert _hoccl.staged_packed_calls() > before
+    print("GPU_MP_OK", flush=True)
+    os._exit(0)
+""")
+
+
 # The staged path (blocks up to JAX_HOCCL_STAGED_BYTES, here 4 KiB) beside the zero-copy path
 # in one program and one lane, a collective in a loop (the slots' two parities reused), a sync
 # call between an async pair's start and done (two lanes), and 10,000 calls with nothing left
@@ -592,6 +628,20 @@ def test_staged_path_under_mps(tmp_path, n, mover):
   for out in outs:
     assert "GPU_MP_OK" in out, out[-4000:]
   assert not shared_memory_left()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_packed_exchange_at_large_and_ragged_blocks(tmp_path, n):
+  """Blocks of 1 MiB and blocks ending inside a packed word, every result against numpy bit for
+  bit, with the packed exchange up to 1 MiB."""
+  env = {"JAX_HOCCL_TIMEOUT_S": "60", "JAX_HOCCL_STAGED_SUM": "1", **MOVERS["packed"],
+         "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"}
+  with mps_daemon() as mps:
+    outs = _run(tmp_path, PACKED_WORKER, timeout=300, env={**env, **mps}, n=n)
+  for out in outs:
+    print(out[-800:])
+  for out in outs:
+    assert "GPU_MP_OK" in out, out[-4000:]
 
 
 @pytest.mark.parametrize("capture,mover", [("on", "exchange_kernel"), ("on", "copy_calls"),
