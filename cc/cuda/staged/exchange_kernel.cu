@@ -173,15 +173,6 @@ __global__ void __launch_bounds__(kThreads) ExchangeKernel(const StagedKernelArg
 
 }  // namespace
 
-int ExchangeCtas(size_t block, size_t* chunk) {
-  size_t per = (block + kChunkFlags - 1) / kChunkFlags;
-  if (per < kChunkBytes) per = kChunkBytes;
-  per = (per + 15) / 16 * 16;
-  *chunk = per;
-  const size_t ctas = (block + per - 1) / per;
-  return ctas ? static_cast<int>(ctas) : 1;
-}
-
 cudaError_t LoadExchangeKernel() {
   cudaFuncAttributes attr;
   return cudaFuncGetAttributes(&attr, ExchangeKernel);

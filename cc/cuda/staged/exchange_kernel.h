@@ -77,8 +77,22 @@ struct StagedKernelArgs {
   StagedKernelLayout layout;
 };
 
-// The number of CTAs (and the chunk) for a block of `block` bytes.
-int ExchangeCtas(size_t block, size_t* chunk);
+// The number of CTAs for a block of `block` bytes, and in `chunk` the bytes each moves: at
+// least `least` (a multiple of `granule`), more once that would take over kChunkFlags CTAs.
+// The exchange kernel's CTA needs its own flags; and where ranks share a GPU, every CTA of
+// theirs must be able to be resident at once (a CTA waits for its peers' CTA of its index).
+inline int SplitAmongCtas(size_t block, size_t least, size_t granule, size_t* chunk) {
+  size_t per = (block + kChunkFlags - 1) / kChunkFlags;
+  if (per < least) per = least;
+  per = (per + granule - 1) / granule * granule;
+  *chunk = per;
+  const size_t ctas = (block + per - 1) / per;
+  return ctas ? static_cast<int>(ctas) : 1;
+}
+// The exchange kernel's: kChunkBytes at least, in 16-byte words.
+inline int ExchangeCtas(size_t block, size_t* chunk) {
+  return SplitAmongCtas(block, kChunkBytes, 16, chunk);
+}
 
 // Loads the kernel into the current context (before any stream capture needs it).
 cudaError_t LoadExchangeKernel();

@@ -197,16 +197,6 @@ __global__ void __launch_bounds__(kThreads) PackedKernel(const StagedKernelArgs 
 
 }  // namespace
 
-int PackedCtas(size_t block, size_t* chunk) {
-  // kPackedChunkBytes per CTA, more once that would take over kChunkFlags CTAs.
-  size_t per = (block + kChunkFlags - 1) / kChunkFlags;
-  per = (per + kPackedChunkBytes - 1) / kPackedChunkBytes * kPackedChunkBytes;
-  if (per < kPackedChunkBytes) per = kPackedChunkBytes;
-  *chunk = per;
-  const size_t ctas = (block + per - 1) / per;
-  return ctas ? static_cast<int>(ctas) : 1;
-}
-
 cudaError_t LoadPackedKernel() {
   cudaFuncAttributes attr;
   return cudaFuncGetAttributes(&attr, PackedKernel);

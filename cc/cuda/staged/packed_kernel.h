@@ -42,11 +42,10 @@ inline bool PackedServes(StagedKind kind, size_t block, size_t packed_bytes) {
   return kind != StagedKind::kPermute && block && block <= packed_bytes;
 }
 
-// The number of CTAs for a block of `block` bytes, at most kChunkFlags as the exchange
-// kernel's (a CTA waits only for its peers' CTA of its index, so where ranks share a GPU all
-// their CTAs must be able to be resident at once); `chunk`: the bytes each moves (a multiple
-// of kPackedChunkBytes).
-int PackedCtas(size_t block, size_t* chunk);
+// The packed exchange's CTAs: kPackedChunkBytes at least, in whole passes of it.
+inline int PackedCtas(size_t block, size_t* chunk) {
+  return SplitAmongCtas(block, kPackedChunkBytes, kPackedChunkBytes, chunk);
+}
 
 // Loads the kernel into the current context (before any stream capture needs it).
 cudaError_t LoadPackedKernel();

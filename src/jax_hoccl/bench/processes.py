@@ -205,8 +205,8 @@ def _settings(gpu: bool, xla_flags: str) -> list[dict]:
   also the staged path without the packed exchange (JAX_HOCCL_STAGED_PACKED_BYTES=0: the
   exchange kernel with its flags at every size), its copy-call exchange, the staged sums
   inside the exchange kernel (JAX_HOCCL_STAGED_SUM=1), every program in CUDA graphs with
-  either sum (`xla_flags`: the jobs' XLA flags), and in graphs with the sums inside the kernel and each call's input
-  donated (BENCH_DONATE=1)."""
+  either sum (`xla_flags`: the jobs' XLA flags), and in graphs with the sums inside the
+  kernel and each call's input donated (BENCH_DONATE=1)."""
   if os.environ.get("JAX_HOCCL_STAGED_BYTES"):
     return [{}]
   if not gpu:
