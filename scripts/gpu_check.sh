@@ -3,10 +3,12 @@
 # count kernels per op with ncu, run the benchmark (results JSON under benchmarks/results/),
 # and print a short summary table last. The logs and the new results JSON go to
 # /tmp/jax_hoccl_gpu_check, and as one archive, gpu_check.tar.gz, to $OUT when it is set.
-#   bash scripts/gpu_check.sh [--quick | --no-bench | --bench-only | --fused-only | --staged]
-# --staged (one GPU, about 8 minutes): the staged path's GPU tests under MPS, bench --steps,
-# bench --processes (benchmarks/probe_chain_kernels.py, where a captured call's device time
-# goes, runs on its own).
+#   bash scripts/gpu_check.sh [--quick | --no-bench | --bench-only | --fused-only | --staged |
+#                               --per-call]
+# --staged (one GPU, about 8 minutes): the staged path's GPU tests under MPS, bench --steps;
+# --per-call (one GPU, about 5 minutes): bench --processes. Each fits one device call
+# (benchmarks/probe_chain_kernels.py, where a captured call's device time goes, runs on its
+# own).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -19,6 +21,7 @@ case "$QUICK" in
   --no-bench) PHASE=tests; QUICK="";;
   --fused-only) PHASE=bench; QUICK="--fused-only";;  # build + the fused section (~1 min)
   --staged) PHASE=staged; QUICK="";;
+  --per-call) PHASE=per_call; QUICK="";;
 esac
 OUTDIR=/tmp/jax_hoccl_gpu_check
 rm -rf "$OUTDIR" && mkdir -p "$OUTDIR"
@@ -51,15 +54,20 @@ if [ "$PHASE" = staged ]; then
     tee "$OUTDIR/staged_tests.log" | grep -E "TIME|passed|failed|Error" | tail -12
   SUMMARY+=("staged tests: $(grep -E '(passed|failed|error)' "$OUTDIR/staged_tests.log" | tail -1)")
   echo "== steps of small layers and decode across processes, 2 and 4 ranks under MPS"
-  timeout 180 $PY -m jax_hoccl.bench --steps --out benchmarks/results 2>&1 |
+  timeout 300 $PY -m jax_hoccl.bench --steps --out benchmarks/results 2>&1 |
     tee "$OUTDIR/steps.log" | grep -E "^(step|chain|decode)"
-  echo "== per call across processes, 2 and 4 ranks under MPS"
-  timeout 260 $PY -m jax_hoccl.bench --processes --out benchmarks/results 2>&1 |
-    tee "$OUTDIR/per_call.log" | sed -n '/^op /,/^host time/p'
   collect
   echo
   echo "================ summary ================"
   printf '%s\n' "${SUMMARY[@]}"
+  exit 0
+fi
+
+if [ "$PHASE" = per_call ]; then
+  echo "== per call across processes, 2 and 4 ranks under MPS"
+  timeout 480 $PY -m jax_hoccl.bench --processes --out benchmarks/results 2>&1 |
+    tee "$OUTDIR/per_call.log" | sed -n '/^op /,/^host time/p'
+  collect
   exit 0
 fi
 
