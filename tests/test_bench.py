@@ -122,7 +122,7 @@ def test_steps_rows_set_each_step_beside_the_step_without_collectives(tmp_path, 
   for r in rows:
     assert r["layers"] == steps.LAYERS and r["ranks"] == 2 and r["floor_us"] is None
     assert r["staged_sum"] is False  # the sum inside the exchange kernel is CUDA's
-    assert r["staged_packed"] is True  # (the packed exchange too: the A/B runs on a GPU)
+    assert r["staged_packed"] is True  # (a setting: only GPU jobs turn the packed path off)
     assert r["us_per_step"] > 0 and r["baseline_us_per_step"] > 0
     assert abs(r["per_collective_us"] * r["layers"] - r["added_us_per_step"]) < 1e-6
     low, high = r["added_quartiles_us"]

@@ -10,8 +10,8 @@ Rows (from the rank that the collectives add most to; paired.py: paired rounds o
 with and without them, "added" the median of the rounds' differences, its quartiles beside),
 each with "staged_sum": whether the staged psums were summed inside the exchange kernel
 (JAX_HOCCL_STAGED_SUM=1; on a GPU every job runs with it off and on), and "staged_packed":
-whether blocks up to JAX_HOCCL_STAGED_PACKED_BYTES took the packed exchange (on a GPU the
-jobs in CUDA graphs run with it off too):
+false where the job turned the packed exchange off (JAX_HOCCL_STAGED_PACKED_BYTES=0; on a
+GPU the jobs in CUDA graphs run with it on and off; the CPU engine has no packed exchange):
   "step": {"op", "layers", "ranks", "mps", "command_buffers", "us_per_step",
            "baseline_us_per_step", "added_us_per_step", "added_quartiles_us",
            "per_collective_us", "job_added_us_per_step", "job_per_collective_us",
