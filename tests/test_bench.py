@@ -144,16 +144,15 @@ def test_steps_rows_set_each_step_beside_the_step_without_collectives(tmp_path, 
 
 def test_processes_on_a_gpu_time_both_sums_with_and_without_graphs(monkeypatch):
   """bench --processes on a GPU: every path (the staged one also without the packed exchange),
-  and the staged sums by XLA and inside the exchange kernel (JAX_HOCCL_STAGED_SUM=1), each also
+  and the staged sums inside the exchange kernel and by XLA (JAX_HOCCL_STAGED_SUM=0), each also
   with every program in CUDA graphs."""
   from jax_hoccl.bench import processes
   monkeypatch.delenv("JAX_HOCCL_STAGED_BYTES", raising=False)
   settings = processes._settings(True, "--flags")
   graphs = {"XLA_FLAGS": f"--flags {processes.CAPTURED_FLAG}"}
-  for want in ({}, {"JAX_HOCCL_STAGED_SUM": "1"}, graphs, {**graphs, "JAX_HOCCL_STAGED_SUM": "1"},
+  for want in ({}, {"JAX_HOCCL_STAGED_SUM": "0"}, graphs, {**graphs, "JAX_HOCCL_STAGED_SUM": "0"},
                {"JAX_HOCCL_STAGED_KERNEL": "0"}, {"JAX_HOCCL_STAGED_BYTES": "0"},
-               {"JAX_HOCCL_STAGED_PACKED_BYTES": "0"},
-               {**graphs, "JAX_HOCCL_STAGED_SUM": "1", "BENCH_DONATE": "1"}):
+               {"JAX_HOCCL_STAGED_PACKED_BYTES": "0"}, {**graphs, "BENCH_DONATE": "1"}):
     assert want in settings, settings
   assert processes._settings(False, "") == [{}, {"JAX_HOCCL_STAGED_BYTES": "0"}]
 

@@ -440,7 +440,7 @@ STAGED_WORKER = PRELUDE + textwrap.dedent("""
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
         if dtype != np.int32:  # staged sums of floats run inside the exchange kernel
             summed = (os.environ.get("JAX_HOCCL_STAGED_KERNEL", "1") != "0"
-                      and os.environ.get("JAX_HOCCL_STAGED_SUM") == "1")
+                      and os.environ.get("JAX_HOCCL_STAGED_SUM", "1") != "0")
             text = f.lower(shard(small[me]), shard(big[me])).as_text()
             assert ("hoccl_psum_staged" in text and "hoccl_psum_scatter_staged" in text) == summed
         outs = f(shard(small[me]), shard(big[me]))
@@ -544,7 +544,9 @@ CAPTURE_WORKER = PRELUDE + textwrap.dedent("""
     xs = data(0)
     x = shard(xs[me])
     text = f.lower(x).as_text()
-    assert "hoccl_all_gather_staged" in text, text[:3000]
+    summed = (os.environ.get("JAX_HOCCL_STAGED_KERNEL", "1") != "0"
+              and os.environ.get("JAX_HOCCL_STAGED_SUM", "1") != "0")
+    assert ("hoccl_psum_staged" if summed else "hoccl_all_gather_staged") in text, text[:3000]
     check(f(x), xs, "first")
     before = _hoccl.staged_lanes()
     ys = []
@@ -606,21 +608,23 @@ def test_two_processes_on_one_gpu_without_preallocation(tmp_path):
 
 
 # How a staged call moves its blocks: the exchange kernel (flags per chunk), copy calls and
-# stream memory operations, or the packed exchange (every staged call but ppermute's).
-MOVERS = {mover: {"JAX_HOCCL_STAGED_KERNEL": kernel, "JAX_HOCCL_STAGED_PACKED_BYTES": packed}
-          for mover, kernel, packed in (("exchange_kernel", "1", "0"), ("copy_calls", "0", "0"),
-                                        ("packed", "1", "1048576"))}
+# stream memory operations, or the packed exchange (every staged call but ppermute's); and
+# the packed exchange with its psums summed by XLA after it (JAX_HOCCL_STAGED_SUM=0).
+MOVERS = {mover: {"JAX_HOCCL_STAGED_KERNEL": kernel, "JAX_HOCCL_STAGED_PACKED_BYTES": packed,
+                  "JAX_HOCCL_STAGED_SUM": summed}
+          for mover, kernel, packed, summed in (
+              ("exchange_kernel", "1", "0", "1"), ("copy_calls", "0", "0", "1"),
+              ("packed", "1", "1048576", "1"), ("packed_xla_sum", "1", "1048576", "0"))}
 
 
-@pytest.mark.parametrize("mover", ["exchange_kernel", "copy_calls", "packed"])
+@pytest.mark.parametrize("mover", ["exchange_kernel", "copy_calls", "packed", "packed_xla_sum"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_staged_path_under_mps(tmp_path, n, mover):
   """exchange_kernel and packed: async starts staged on their lanes too, and psum /
-  psum_scatter of floats summed inside the kernel (JAX_HOCCL_STAGED_SUM=1, bit for bit);
-  copy_calls (JAX_HOCCL_STAGED_KERNEL=0): staged on XLA's stream only, async starts zero copy,
-  sums by XLA."""
-  env = {"JAX_HOCCL_TIMEOUT_S": "60", "JAX_HOCCL_STAGED_BYTES": "4096", **MOVERS[mover],
-         "JAX_HOCCL_STAGED_SUM": "1"}
+  psum_scatter of floats summed inside the kernel (bit for bit); packed_xla_sum: summed by XLA
+  after the exchange (JAX_HOCCL_STAGED_SUM=0); copy_calls (JAX_HOCCL_STAGED_KERNEL=0): staged
+  on XLA's stream only, async starts zero copy, sums by XLA."""
+  env = {"JAX_HOCCL_TIMEOUT_S": "60", "JAX_HOCCL_STAGED_BYTES": "4096", **MOVERS[mover]}
   with mps_daemon() as mps:
     outs = _run(tmp_path, STAGED_WORKER, timeout=300, env={**env, **mps}, n=n)
   for out in outs:
@@ -634,7 +638,7 @@ def test_staged_path_under_mps(tmp_path, n, mover):
 def test_packed_exchange_at_large_and_ragged_blocks(tmp_path, n):
   """Blocks of 1 MiB and blocks ending inside a packed word, every result against numpy bit for
   bit, with the packed exchange up to 1 MiB."""
-  env = {"JAX_HOCCL_TIMEOUT_S": "60", "JAX_HOCCL_STAGED_SUM": "1", **MOVERS["packed"],
+  env = {"JAX_HOCCL_TIMEOUT_S": "60", **MOVERS["packed"],
          "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"}
   with mps_daemon() as mps:
     outs = _run(tmp_path, PACKED_WORKER, timeout=300, env={**env, **mps}, n=n)
@@ -645,12 +649,13 @@ def test_packed_exchange_at_large_and_ragged_blocks(tmp_path, n):
 
 
 @pytest.mark.parametrize("capture,mover", [("on", "exchange_kernel"), ("on", "copy_calls"),
-                                           ("on", "packed"), ("off", "exchange_kernel"),
-                                           ("off", "packed")])
+                                           ("on", "packed"), ("on", "packed_xla_sum"),
+                                           ("off", "exchange_kernel"), ("off", "packed")])
 def test_staged_calls_inside_cuda_graphs(tmp_path, capture, mover):
   """on: XLA's default command buffers; off: --xla_gpu_enable_command_buffer= (none). The
   exchange kernel's captured calls alternate two slot sets by a count on the device; copy
-  calls (JAX_HOCCL_STAGED_KERNEL=0) meet their peers' arrival first."""
+  calls (JAX_HOCCL_STAGED_KERNEL=0) meet their peers' arrival first. psums are summed inside
+  the kernel, except by XLA with copy calls and packed_xla_sum."""
   env = {"JAX_HOCCL_TIMEOUT_S": "60", "CAPTURE": capture, **MOVERS[mover],
          "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"
          + (" --xla_gpu_enable_command_buffer=" if capture == "off" else "")}
@@ -745,7 +750,8 @@ def test_mismatched_calls_are_an_immediate_error(tmp_path, path):
     if path == "zero_copy":
       assert "psum (all_gather) of 16 bytes" in out and "all_to_all of 16 bytes" in out, out[-3000:]
     else:
-      assert "all_gather of 16-byte blocks" in out and "all_to_all of 8-byte blocks" in out, out[-3000:]
+      # psum's float32 blocks are summed inside the exchange: its flags say psum
+      assert "psum of 16-byte blocks" in out and "all_to_all of 8-byte blocks" in out, out[-3000:]
     assert float(out.split("ERROR after ")[1].split(" s")[0]) < 30
 
 

@@ -4,9 +4,10 @@ devices, as on one host whose process drives several GPUs, takes the same captur
 process per GPU. Every collective whose block (what one rank sends one peer) is at most
 JAX_HOCCL_STAGED_BYTES lowers to its command-buffer compatible `_staged` twin, which XLA may
 capture into its CUDA graphs; a larger block, and any block with JAX_HOCCL_STAGED_BYTES=0,
-lowers to the plain target, which XLA runs outside them. With JAX_HOCCL_STAGED_SUM=1, psum and
-psum_scatter of staged float32, bfloat16 and float16 blocks lower to `hoccl_psum_staged` and
-`hoccl_psum_scatter_staged`, whose exchange kernel sums as it copies out. The values on a GPU:
+lowers to the plain target, which XLA runs outside them. psum and psum_scatter of staged
+float32, bfloat16 and float16 blocks lower to `hoccl_psum_staged` and
+`hoccl_psum_scatter_staged`, whose exchange kernel sums as it copies out, unless
+JAX_HOCCL_STAGED_SUM=0 (the mover, then XLA's sum). The values on a GPU:
 tests/test_gpu_multiprocess.py (STAGED_WORKER, CAPTURE_WORKER)."""
 import re
 
@@ -32,7 +33,7 @@ def cuda_targets(monkeypatch):
       name: tuple(set(platforms) | {"CUDA"}) for name, platforms in ffi_targets.TARGETS.items()})
 
 
-# psum and psum_scatter of the types the exchange kernel adds, with JAX_HOCCL_STAGED_SUM=1:
+# psum and psum_scatter of the types the exchange kernel adds, unless JAX_HOCCL_STAGED_SUM=0:
 # summed inside the exchange.
 SUMMED = {"psum": "hoccl_psum_staged", "psum_scatter": "hoccl_psum_scatter_staged"}
 
@@ -60,6 +61,7 @@ def _targets(op, n, cols, dtype=jnp.float32):
 @pytest.mark.parametrize("op", sorted(MOVER))
 def test_blocks_up_to_the_crossover_lower_to_the_captured_targets(op, n, monkeypatch):
   monkeypatch.setenv("JAX_HOCCL_STAGED_BYTES", "4096")
+  monkeypatch.setenv("JAX_HOCCL_STAGED_SUM", "0")  # the movers (the summed targets: below)
   mover = f"hoccl_{MOVER[op]}"
   # n x 256 float32 per rank: an all_gather's block n KiB, an all_to_all's 1 KiB
   assert _targets(op, n, 256) == [f"{mover}_staged"]
@@ -74,9 +76,11 @@ def test_blocks_up_to_the_crossover_lower_to_the_captured_targets(op, n, monkeyp
 def test_sums_of_staged_blocks_run_inside_the_exchange(op, dtype, monkeypatch):
   monkeypatch.setenv("JAX_HOCCL_STAGED_BYTES", "4096")
   mover = f"hoccl_{MOVER[op]}"
-  assert _targets(op, 2, 256, dtype) == [f"{mover}_staged"]  # by default: XLA's sum
-  monkeypatch.setenv("JAX_HOCCL_STAGED_SUM", "1")
   summed = jnp.dtype(dtype) != jnp.int32  # the kernel adds floats; integers keep XLA's sum
+  assert _targets(op, 2, 256, dtype) == [SUMMED[op] if summed else f"{mover}_staged"]
+  monkeypatch.setenv("JAX_HOCCL_STAGED_SUM", "0")  # the mover, then XLA's sum
+  assert _targets(op, 2, 256, dtype) == [f"{mover}_staged"]
+  monkeypatch.setenv("JAX_HOCCL_STAGED_SUM", "1")
   assert _targets(op, 2, 256, dtype) == [SUMMED[op] if summed else f"{mover}_staged"]
   assert _targets(op, 2, 8192, dtype) == [mover]  # above the crossover: zero copy, XLA's sum
   # where the exchange kernel does not serve (copy calls): the mover, then XLA's sum
@@ -87,7 +91,6 @@ def test_sums_of_staged_blocks_run_inside_the_exchange(op, dtype, monkeypatch):
 def test_two_step_psum_keeps_its_two_exchanges(monkeypatch):
   """psum_scatter summed inside its exchange, then an all_gather of the summed parts."""
   monkeypatch.setenv("JAX_HOCCL_STAGED_BYTES", "4096")
-  monkeypatch.setenv("JAX_HOCCL_STAGED_SUM", "1")
   with jax_hoccl.psum_algorithm("two_step"):
     assert _targets("psum", 2, 256) == ["hoccl_psum_scatter_staged", "hoccl_all_gather_staged"]
 
@@ -96,7 +99,6 @@ def test_staged_sums_over_axis_index_groups_and_pytrees(monkeypatch):
   """Even axis_index_groups take the summed targets with their group table; a pytree's leaves
   of one dtype share one summed exchange (buckets.py); pmean is psum's."""
   monkeypatch.setenv("JAX_HOCCL_STAGED_BYTES", "4096")
-  monkeypatch.setenv("JAX_HOCCL_STAGED_SUM", "1")
   mesh = jax.make_mesh((4,), ("tp",), devices=CPUS[:4])
   groups = [[0, 2], [1, 3]]
 

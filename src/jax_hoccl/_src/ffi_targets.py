@@ -122,13 +122,13 @@ def lower_staged_sum(target: str, mover: str, op: str, ctx, x, group_attrs, bloc
   """The custom call `target` (hoccl_psum_staged, hoccl_psum_scatter_staged), whose sum runs
   inside the staged exchange, where it can: on CUDA, a block that `mover` (hoccl_all_gather;
   hoccl_all_to_all, `blocks`: x holds one block per rank) stages, of a type the exchange
-  kernel adds, in a group it serves (JAX_HOCCL_STAGED_KERNEL not 0), with
-  JAX_HOCCL_STAGED_SUM=1. Else None: the mover and a sum of XLA's, which XLA may fuse with the
+  kernel adds, in a group it serves (JAX_HOCCL_STAGED_KERNEL not 0), unless
+  JAX_HOCCL_STAGED_SUM=0. Else None: the mover and a sum of XLA's, which XLA may fuse with the
   sum's consumers (docs/design.md, "The staged path" says when each is faster). `group_attrs()`
   gives the group's attributes (axes.ffi_group_attrs)."""
   if tuple(ctx.module_context.platforms) != ("cuda",):
     return None
-  if os.environ.get("JAX_HOCCL_STAGED_SUM", "0") != "1":
+  if os.environ.get("JAX_HOCCL_STAGED_SUM", "1") == "0":
     return None
   if os.environ.get("JAX_HOCCL_STAGED_KERNEL", "1") == "0":
     return None

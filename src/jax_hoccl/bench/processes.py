@@ -12,10 +12,11 @@ cost does not). Without a GPU, 2 processes of one CPU device each.
 Every size runs on both paths, in alternating jobs: the default crossover (calls up to 1 MiB
 per peer staged) and JAX_HOCCL_STAGED_BYTES=0 (the per-call rendezvous: zero copy on GPU);
 on a GPU also the staged calls as copy calls and stream memory operations instead of the
-exchange kernel (JAX_HOCCL_STAGED_KERNEL=0), the staged psum and psum_scatter summed inside
-the exchange kernel (JAX_HOCCL_STAGED_SUM=1), and both sums with XLA recording every program
-into a CUDA graph (CAPTURED_FLAG: staged calls are replayed, their handler runs once), the
-last also with each call's input donated (as a training loop's state: its output can take
+exchange kernel (JAX_HOCCL_STAGED_KERNEL=0), the staged psum and psum_scatter summed by XLA
+after the exchange instead of inside the exchange kernel (JAX_HOCCL_STAGED_SUM=0), and both
+sums with XLA recording every program into a CUDA graph (CAPTURED_FLAG: staged calls are
+replayed, their handler runs once), the sums inside the kernel also with each call's input
+donated (as a training loop's state: its output can take
 the input's buffer, so the addresses need not change and XLA need not update its graph before
 a launch). A
 JAX_HOCCL_STAGED_BYTES set by the caller runs alone. 16 MiB per rank is above the crossover:
@@ -150,8 +151,8 @@ WORKER = textwrap.dedent("""
             out["exchange"] = ("packed" if packed_rows[op, nbytes] else "kernel" if kernel
                                else "copy_calls")
             if op in ("psum", "psum_scatter"):  # who adds: the exchange kernel, or XLA after it
-                out["sum"] = ("kernel" if kernel and os.environ.get("JAX_HOCCL_STAGED_SUM") == "1"
-                              else "xla")
+                out["sum"] = ("kernel" if kernel
+                            and os.environ.get("JAX_HOCCL_STAGED_SUM", "1") != "0" else "xla")
         return out
 
     rows = []
@@ -203,19 +204,18 @@ def _run(n: int, env: dict):
 def _settings(gpu: bool, xla_flags: str) -> list[dict]:
   """The crossover of each job: the caller's, else the default and 0 (both paths); on a GPU
   also the staged path without the packed exchange (JAX_HOCCL_STAGED_PACKED_BYTES=0: the
-  exchange kernel with its flags at every size), its copy-call exchange, the staged sums
-  inside the exchange kernel (JAX_HOCCL_STAGED_SUM=1), every program in CUDA graphs with
-  either sum (`xla_flags`: the jobs' XLA flags), and in graphs with the sums inside the
-  kernel and each call's input donated (BENCH_DONATE=1)."""
+  exchange kernel with its flags at every size), its copy-call exchange, the staged sums by
+  XLA after the exchange (JAX_HOCCL_STAGED_SUM=0), every program in CUDA graphs with either
+  sum (`xla_flags`: the jobs' XLA flags), and in graphs with the sums inside the kernel and
+  each call's input donated (BENCH_DONATE=1)."""
   if os.environ.get("JAX_HOCCL_STAGED_BYTES"):
     return [{}]
   if not gpu:
     return [{}, {"JAX_HOCCL_STAGED_BYTES": "0"}]
   graphs = {"XLA_FLAGS": f"{xla_flags} {CAPTURED_FLAG}"}
   return [{}, {"JAX_HOCCL_STAGED_PACKED_BYTES": "0"}, {"JAX_HOCCL_STAGED_KERNEL": "0"},
-          {"JAX_HOCCL_STAGED_BYTES": "0"}, {"JAX_HOCCL_STAGED_SUM": "1"}, graphs,
-          {**graphs, "JAX_HOCCL_STAGED_SUM": "1"},
-          {**graphs, "JAX_HOCCL_STAGED_SUM": "1", "BENCH_DONATE": "1"}]
+          {"JAX_HOCCL_STAGED_BYTES": "0"}, {"JAX_HOCCL_STAGED_SUM": "0"}, graphs,
+          {**graphs, "JAX_HOCCL_STAGED_SUM": "0"}, {**graphs, "BENCH_DONATE": "1"}]
 
 
 def _over_jobs(jobs: list[list[dict]]) -> list[dict]:
