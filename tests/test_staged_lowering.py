@@ -114,3 +114,21 @@ def test_staged_sums_over_axis_index_groups_and_pytrees(monkeypatch):
   found = re.findall(r'custom_call @(hoccl\w+)|call_target_name = "(hoccl\w+)"', text)
   assert [a or b for a, b in found] == ["hoccl_psum_staged"] * 3 + ["hoccl_psum_scatter_staged"]
   assert "group_size = 2" in text  # the groups' table, not the whole axis
+
+
+def test_summed_calls_are_named_for_the_op_the_user_called(monkeypatch):
+  """A summed call's site is named for errors (cc/job.h: SiteName), as the mover's site is on
+  XLA's sum: a peer that never comes to it is reported as the user's psum or psum_scatter."""
+  from jax_hoccl._src import ffi_targets
+  monkeypatch.setenv("JAX_HOCCL_STAGED_BYTES", "4096")
+  names = {}
+  monkeypatch.setattr(ffi_targets, "name_site", lambda site, name: names.__setitem__(site, name))
+  mesh = jax.make_mesh((2,), ("tp",), devices=CPUS[:2])
+  f = jax.jit(jax.shard_map(
+      lambda v: (jax_hoccl.psum(v, "tp"), jax_hoccl.psum_scatter(v, "tp", tiled=True)),
+      mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
+  x = jax.ShapeDtypeStruct((4, 64), jnp.float32, sharding=NamedSharding(mesh, P("tp")))
+  text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  calls = re.findall(r'(?:custom_call @|call_target_name = ")(hoccl\w+).*?site = (\d+)', text)
+  assert [t for t, _ in calls] == ["hoccl_psum_staged", "hoccl_psum_scatter_staged"], text
+  assert [names.get(int(s)) for _, s in calls] == ["psum", "psum_scatter"], (calls, names)

@@ -128,9 +128,11 @@ def _lowering(ctx, x, *, axes, axis_size, algorithm, unreduced, site, groups):
     if across is not None:
       return across
     if algorithm == "one_shot" and axes_lib.groups_even(groups):
-      # A staged block on CUDA: the exchange kernel sums as it copies out (one launch).
-      staged = lower_staged_sum("hoccl_psum_staged", "hoccl_all_gather", "psum", ctx, x,
-                                lambda: axes_lib.ffi_group_attrs(ctx, axes, "psum", site, groups))
+      # A staged block on CUDA: the exchange kernel sums as it copies out (one launch). Its
+      # site is made here, as the mover's would be, so errors name the op the user called.
+      staged = lower_staged_sum(
+          "hoccl_psum_staged", "hoccl_all_gather", "psum", ctx, x,
+          lambda: axes_lib.ffi_group_attrs(ctx, axes, "psum", axes_lib.new_site(), groups))
       if staged is not None:
         return staged
     return ji.lower_fun(_impl, multiple_results=False)(

@@ -67,10 +67,12 @@ def _lowering(ctx, x, *, axes, axis_size, unreduced, site, groups):
     across = across_processes.lowering_for("reduce_scatter", ctx, x, axes=axes, groups=groups)
     if across is not None:
       return across
-    # A staged block on CUDA: the exchange kernel sums as it copies out (one launch).
+    # A staged block on CUDA: the exchange kernel sums as it copies out (one launch). Its site
+    # is made here, as the mover's would be, so errors name the op the user called.
     staged = lower_staged_sum(
         "hoccl_psum_scatter_staged", "hoccl_all_to_all", "psum_scatter", ctx, x,
-        lambda: axes_lib.ffi_group_attrs(ctx, axes, "psum_scatter", site, groups), blocks=True)
+        lambda: axes_lib.ffi_group_attrs(ctx, axes, "psum_scatter", axes_lib.new_site(), groups),
+        blocks=True)
     if staged is not None:
       return staged
     return ji.lower_fun(_impl, multiple_results=False)(ctx, x, axes=axes, axis_size=axis_size,
