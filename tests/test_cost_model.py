@@ -179,19 +179,33 @@ def test_model_cli_on_a_committed_file():
   assert "CPU timings" not in out.stderr  # nothing was measured: no device was needed
 
 
-STEPS = os.path.join(os.path.dirname(H200[0]), "2026-12-02-1xH200-steps.json")
+STEPS = os.path.join(os.path.dirname(H200[0]), "2026-12-04-1xH200-steps-packed-5671fa3.json")
 
 
 def test_staged_fit_is_what_the_model_holds_and_projects_two_gpus():
-  """staged_alpha_us is the fit of the committed chains of staged calls (one H200, 2 ranks);
-  the projection puts the staged path's device time per call beside every jax.lax row of the
-  2x H200 runs up to 1 MiB, and its terms are the staged path's: the fixed cost, one flag
-  hop, the link bytes (psum pulls the peer's whole array, all_gather its half)."""
+  """staged_alpha_us and staged_packed_alpha_us are the fits of the committed chains of
+  staged calls (one H200, 2 ranks), each over the chains of its exchange; the projection puts
+  the staged path's device time per call beside every jax.lax row of the 2x H200 runs up to
+  1 MiB, and its terms are the staged path's: the fixed cost, one flag hop, the link bytes
+  (psum pulls the peer's whole array, all_gather its half; packed blocks twice that)."""
   chains = model.load_chains(_load([STEPS]))
-  assert {(r.op, r.n) for r in chains} >= {("psum", 2), ("all_gather", 2)}
+  assert {(r.op, r.n, r.impl) for r in chains} >= {
+      (op, 2, impl) for op in ("psum", "all_gather") for impl in ("staged", "staged_packed")}
   p = model.fit_staged(chains, cm.FITTED)
   assert p.staged_alpha_us == pytest.approx(cm.FITTED.staged_alpha_us, abs=0.05)
+  assert p.staged_packed_alpha_us == pytest.approx(cm.FITTED.staged_packed_alpha_us, abs=0.05)
+  assert p.staged_packed_alpha_us < p.staged_alpha_us  # the packed chains ran faster
   assert model.fit_staged([], cm.FITTED) == cm.FITTED  # nothing to fit: kept
+  unpacked_only = model.fit_staged([r for r in chains if r.impl == "staged"], cm.FITTED)
+  assert unpacked_only.staged_packed_alpha_us == cm.FITTED.staged_packed_alpha_us
+  small = 64 << 10  # packed: all_gather's 32 KiB block, psum's 64 KiB; never ppermute
+  packed = p.staged_packed_alpha_us + p.hop_us
+  assert cm.staged_us("all_gather", small, 2, p) == pytest.approx(
+      packed + 2 * (small / 2) / p.link_gbps / 1e3 + small / p.sum_gbps / 1e3)
+  assert cm.staged_us("psum", small, 2, p) == pytest.approx(
+      packed + 2 * small / p.link_gbps / 1e3 + 3 * small / p.sum_gbps / 1e3)
+  assert cm.staged_us("ppermute", small, 2, p) == pytest.approx(
+      p.staged_alpha_us + p.hop_us + small / p.link_gbps / 1e3)
   s = 1 * MIB
   fixed = p.staged_alpha_us + p.hop_us
   assert cm.staged_us("ppermute", s, 2, p) == pytest.approx(fixed + s / p.link_gbps / 1e3)

@@ -16,12 +16,16 @@ and the model is the sum over its exchanges. XLA's own collectives (NCCL on GPU)
 alpha + busbw_factor * bytes / busbw, per op; across nodes XLA's rings go through the NICs.
 
 On the staged path (blocks up to the crossover) a call is one exchange kernel instead:
-staged_alpha_us + hop_us + link_bytes / link_gbps + sum_bytes / sum_gbps (`staged_us`).
+staged_alpha_us + hop_us + link_bytes / link_gbps + sum_bytes / sum_gbps (`staged_us`); a
+block up to staged_packed_bytes (not ppermute's) takes the packed exchange, whose fixed cost is
+staged_packed_alpha_us and whose words carry a flag beside every 4 data bytes (twice the link
+bytes).
 
 What is fitted and what is not: `src/jax_hoccl/bench/model.py` fits alpha, link_gbps,
 sum_gbps (jax_hoccl rows), engine_gbps (the raw copy-engine rows), XLA's alpha/busbw per op
-(jax.lax rows) by least squares on relative error, and staged_alpha_us on chains of staged
-calls (one GPU; the mean of what the local terms leave). FITTED holds the values it found on
+(jax.lax rows) by least squares on relative error, and staged_alpha_us and
+staged_packed_alpha_us on chains of staged calls (one GPU; the mean of what the local terms
+leave, over the chains of each exchange). FITTED holds the values it found on
 the committed results (`python -m jax_hoccl.bench --model` prints them and each row's
 error). Two ranks cannot separate hop_us and copy_issue_us from alpha, so they are fixed from
 single measurements (docs/design.md section 1, benchmarks/README.md "Small messages"), and
@@ -68,8 +72,13 @@ class Params:
   # The staged path (docs/design.md, "The staged path"): one exchange kernel per call, its fixed
   # device cost fitted to chains of staged calls on one GPU (two ranks under MPS: the kernel,
   # its flag exchange through the GPU's own memory, XLA's fusion after it). Across GPUs a
-  # call's flags cross NVLink once (hop_us) and its pushes go over the links (link_gbps).
-  staged_alpha_us: float = 9.6  # fitted on benchmarks/results/2026-12-02-1xH200-steps.json
+  # call's flags cross NVLink once (hop_us) and its pushes go over the links (link_gbps). The
+  # packed exchange (blocks up to staged_packed_bytes, JAX_HOCCL_STAGED_PACKED_BYTES's
+  # default) has its own fixed cost; its flags ride with the data, one hop all the same.
+  # Both fitted on benchmarks/results/2026-12-04-1xH200-steps-packed-5671fa3.json.
+  staged_alpha_us: float = 9.44
+  staged_packed_alpha_us: float = 8.75
+  staged_packed_bytes: int = 128 << 10
 
 
 # Fitted by `python -m jax_hoccl.bench --model` on benchmarks/results/2026-11-30-2xNVIDIA-H200.json
@@ -135,11 +144,17 @@ def hoccl_us(op: str, algorithm: str | None, nbytes: float, n: int, p: Params = 
 def staged_us(op: str, nbytes: float, n: int, p: Params = None) -> float:
   """jax_hoccl's `op` on the staged path over n GPUs of one node, as XLA replays it in a CUDA
   graph (no host work): per exchange (psum's: one_shot) the kernel's fixed cost, one flag hop,
-  the pushes over the links and the bytes XLA's sum reads and writes."""
+  the pushes over the links (packed: twice the bytes) and the bytes the sum reads and
+  writes."""
   p = p or FITTED
   algorithm = "one_shot" if op == "psum" else None
-  return sum(p.staged_alpha_us + p.hop_us + e.link_bytes / p.link_gbps / 1e3
-             + e.sum_bytes / p.sum_gbps / 1e3 for e in exchanges(op, algorithm, nbytes, n))
+  total = 0.0
+  for e in exchanges(op, algorithm, nbytes, n):
+    packed = op != "ppermute" and e.link_bytes / e.copies <= p.staged_packed_bytes
+    alpha = p.staged_packed_alpha_us if packed else p.staged_alpha_us
+    total += (alpha + p.hop_us + (2 if packed else 1) * e.link_bytes / p.link_gbps / 1e3
+              + e.sum_bytes / p.sum_gbps / 1e3)
+  return total
 
 
 def xla_us(op: str, nbytes: float, n: int, p: Params = None, nodes: int = 1) -> float:

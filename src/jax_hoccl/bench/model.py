@@ -9,7 +9,7 @@ and the single- vs multi-stream paths differ, which the model does not separate)
   copy_engine_raw rows -> engine_alpha_us, engine_gbps;
   jax.lax rows -> XLA's alpha and bus bandwidth per op;
   chains of staged calls (`bench --steps`' "device_latency" rows, two ranks on one GPU) ->
-  staged_alpha_us, which projects the staged path's device time per call on two GPUs beside
+  staged_alpha_us and staged_packed_alpha_us (rows with "staged_packed"), which project the staged path's device time per call on two GPUs beside
   jax.lax's measured one (the "device_latency" rows of a two-GPU run).
 A parameter that no row determines keeps cost_model.FITTED's value.
 """
@@ -116,14 +116,16 @@ def fit(rows: list[Row], min_bytes: int = MIB, base: cm.Params = cm.FITTED) -> c
 
 def load_chains(results: dict[str, dict]) -> list[Row]:
   """The staged chains of `bench --steps` files (rows with "ranks"), their sizes as the model
-  counts them (all_gather's: its output)."""
+  counts them (all_gather's: its output); impl "staged_packed" where the chain's exchange was
+  the packed one."""
   rows = []
   for name, result in results.items():
     for r in result.get("device_latency", []):
       if "ranks" in r and r["ranks"] >= 2:
         n = r["ranks"]
         nbytes = r["bytes_per_rank"] * (n if r["op"] == "all_gather" else 1)
-        rows.append(Row(name, r["op"], "staged", None, nbytes, n, r["us_per_op"]))
+        impl = "staged_packed" if r.get("staged_packed") else "staged"
+        rows.append(Row(name, r["op"], impl, None, nbytes, n, r["us_per_op"]))
   return rows
 
 
@@ -136,16 +138,18 @@ def load_lax_device_times(results: dict[str, dict]) -> list[Row]:
 
 
 def fit_staged(chains: list[Row], p: cm.Params) -> cm.Params:
-  """staged_alpha_us: the mean over two-rank chains of what their local terms leave (on one
-  GPU no flag crosses a link: the pushes and the sum are local copies)."""
-  two = [r for r in chains if r.n == 2]
-  if not two:
-    return p
+  """staged_alpha_us and staged_packed_alpha_us: the mean over two-rank chains of each exchange
+  of what their local terms leave (on one GPU no flag crosses a link: the pushes and the sum
+  are local copies). A fixed cost no chain measures is kept."""
   def local(r):
     return sum((e.link_bytes + e.sum_bytes) / p.sum_gbps / 1e3
                for e in cm.exchanges(r.op, "one_shot" if r.op == "psum" else None, r.nbytes, r.n))
-  return dataclasses.replace(p, staged_alpha_us=float(np.mean([r.measured_us - local(r)
-                                                              for r in two])))
+  fitted = {}
+  for impl, name in (("staged", "staged_alpha_us"), ("staged_packed", "staged_packed_alpha_us")):
+    two = [r for r in chains if r.n == 2 and r.impl == impl]
+    if two:
+      fitted[name] = float(np.mean([r.measured_us - local(r) for r in two]))
+  return dataclasses.replace(p, **fitted)
 
 
 def staged_projection(p: cm.Params, lax: list[Row]) -> str:
@@ -186,7 +190,9 @@ def params_text(p: cm.Params) -> str:
       f"fitted: link_gbps={p.link_gbps:.1f}  sum_gbps={p.sum_gbps:.0f}  "
       f"engine_gbps={p.engine_gbps:.1f}  engine_alpha_us={p.engine_alpha_us:.2f}",
       f"fitted: XLA alpha/busbw: {xla}",
-      f"fitted: staged_alpha_us={p.staged_alpha_us:.2f} (chains of staged calls, one GPU)",
+      f"fitted: staged_alpha_us={p.staged_alpha_us:.2f}  staged_packed_alpha_us="
+      f"{p.staged_packed_alpha_us:.2f} (chains of staged calls, one GPU; packed up to "
+      f"{size(p.staged_packed_bytes)})",
       f"fixed:  hop_us={p.hop_us}  copy_issue_us={p.copy_issue_us}  engines={p.engines}",
       f"assumed (several nodes): gpus_per_node={p.gpus_per_node}  nic_gbps={p.nic_gbps}  "
       f"nic_latency_us={p.nic_latency_us}"])
@@ -254,7 +260,7 @@ def report(results: dict[str, dict], min_bytes: int = MIB) -> str:
   parts = [params_text(p), fit_table(rows, min_bytes), summary(rows, min_bytes), crossovers(p)]
   lax = load_lax_device_times(results)
   if lax:
-    parts.append("The staged path on two GPUs (projected: staged_alpha_us from one GPU, one "
+    parts.append("The staged path on two GPUs (projected: the fixed costs from one GPU, one "
                  f"flag hop of {p.hop_us} us, the links' bandwidth) against jax.lax:\n"
                  + staged_projection(p, lax))
   parts.append("Projection (" + projection_note(p) + "):\n" + projection(p))
