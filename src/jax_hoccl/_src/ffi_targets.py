@@ -118,6 +118,13 @@ SUMMED_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16), np.dtype(np
 KERNEL_MAX_RANKS = 16
 
 
+def staged_sums_in_kernel() -> bool:
+  """Whether a staged psum or psum_scatter is summed inside the exchange kernel where it
+  serves: unless JAX_HOCCL_STAGED_SUM=0, or the kernel is off (JAX_HOCCL_STAGED_KERNEL=0)."""
+  return (os.environ.get("JAX_HOCCL_STAGED_SUM", "1") != "0"
+          and os.environ.get("JAX_HOCCL_STAGED_KERNEL", "1") != "0")
+
+
 def lower_staged_sum(target: str, mover: str, op: str, ctx, x, group_attrs, blocks: bool = False):
   """The custom call `target` (hoccl_psum_staged, hoccl_psum_scatter_staged), whose sum runs
   inside the staged exchange, where it can: on CUDA, a block that `mover` (hoccl_all_gather;
@@ -128,9 +135,7 @@ def lower_staged_sum(target: str, mover: str, op: str, ctx, x, group_attrs, bloc
   gives the group's attributes (axes.ffi_group_attrs)."""
   if tuple(ctx.module_context.platforms) != ("cuda",):
     return None
-  if os.environ.get("JAX_HOCCL_STAGED_SUM", "1") == "0":
-    return None
-  if os.environ.get("JAX_HOCCL_STAGED_KERNEL", "1") == "0":
+  if not staged_sums_in_kernel():
     return None
   if np.dtype(ctx.avals_in[0].dtype) not in SUMMED_DTYPES:
     return None

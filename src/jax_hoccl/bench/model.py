@@ -9,8 +9,9 @@ and the single- vs multi-stream paths differ, which the model does not separate)
   copy_engine_raw rows -> engine_alpha_us, engine_gbps;
   jax.lax rows -> XLA's alpha and bus bandwidth per op;
   chains of staged calls (`bench --steps`' "device_latency" rows, two ranks on one GPU) ->
-  staged_alpha_us and staged_packed_alpha_us (rows with "staged_packed"), which project the staged path's device time per call on two GPUs beside
-  jax.lax's measured one (the "device_latency" rows of a two-GPU run).
+  staged_alpha_us and staged_packed_alpha_us (rows with "staged_packed"), which project the
+  staged path's device time per call on two GPUs beside jax.lax's measured one (the
+  "device_latency" rows of a two-GPU run).
 A parameter that no row determines keeps cost_model.FITTED's value.
 """
 from __future__ import annotations

@@ -16,9 +16,8 @@ exchange kernel (JAX_HOCCL_STAGED_KERNEL=0), the staged psum and psum_scatter su
 after the exchange instead of inside the exchange kernel (JAX_HOCCL_STAGED_SUM=0), and both
 sums with XLA recording every program into a CUDA graph (CAPTURED_FLAG: staged calls are
 replayed, their handler runs once), the sums inside the kernel also with each call's input
-donated (as a training loop's state: its output can take
-the input's buffer, so the addresses need not change and XLA need not update its graph before
-a launch). A
+donated (as a training loop's state: its output can take the input's buffer, so the addresses
+need not change and XLA need not update its graph before a launch). A
 JAX_HOCCL_STAGED_BYTES set by the caller runs alone. 16 MiB per rank is above the crossover:
 both paths' rows are zero copy there. Without a GPU the jobs repeat (JOBS times: the machine
 may be shared) and a row pools their rounds. On a GPU a short job runs first under each MPS
@@ -83,7 +82,7 @@ WORKER = textwrap.dedent("""
     import jax_hoccl
     from jax_hoccl import _hoccl
     from jax_hoccl.bench import paired
-    from jax_hoccl._src.ffi_targets import DEFAULT_STAGED_BYTES
+    from jax_hoccl._src.ffi_targets import DEFAULT_STAGED_BYTES, staged_sums_in_kernel
     mesh = jax.make_mesh((n,), ("x",))
     rounds, calls = int(os.environ["ROUNDS"]), int(os.environ["CALLS"])
     shift = [(i, (i + 1) % n) for i in range(n)]
@@ -151,8 +150,7 @@ WORKER = textwrap.dedent("""
             out["exchange"] = ("packed" if packed_rows[op, nbytes] else "kernel" if kernel
                                else "copy_calls")
             if op in ("psum", "psum_scatter"):  # who adds: the exchange kernel, or XLA after it
-                out["sum"] = ("kernel" if kernel
-                            and os.environ.get("JAX_HOCCL_STAGED_SUM", "1") != "0" else "xla")
+                out["sum"] = "kernel" if staged_sums_in_kernel() else "xla"
         return out
 
     rows = []
