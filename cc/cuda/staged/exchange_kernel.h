@@ -21,6 +21,14 @@ constexpr int kChunkFlags = 32;
 // Bytes a CTA moves of each block at least (smaller blocks use fewer CTAs).
 constexpr size_t kChunkBytes = 32 << 10;
 
+// A staged call's flag value (staged_exchange.h: StagedFlagValue), constant per op and size:
+// bit 63 set, bits 48-55 the op + 1, bit 56 summed (psum, psum_scatter), bits 0-47 the block's
+// bytes. The packed exchange's 32-bit flag (packed_kernel.h) repacks the same fields.
+constexpr uint64_t kFlagMark = uint64_t{1} << 63;
+constexpr int kFlagOpShift = 48;
+constexpr int kFlagSummedShift = 56;
+constexpr uint64_t kFlagSizeMask = (uint64_t{1} << kFlagOpShift) - 1;
+
 // Host memory the GPU writes and reads (mapped, one per rank state; cuda/rank_state.h).
 struct StagedHostWords {
   volatile uint64_t progress[8];  // per lane: the calls the GPU got past (non-captured calls)

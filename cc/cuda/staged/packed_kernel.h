@@ -22,17 +22,25 @@ constexpr size_t kPackedChunkBytes = 8 << 10;
 // Blocks this large at most fit the packed slots (the slot holds twice the block).
 constexpr size_t kPackedMaxBytes = size_t{1} << 23;
 
-// The 32-bit flag of a call from its StagedFlagValue (staged_exchange.h): the op, the summed
-// bit and the block's size (under 8 MiB), nonzero; and back, for the watchdog's messages.
+// The 32-bit flag of a call from its StagedFlagValue (exchange_kernel.h: kFlagMark): the
+// op, the summed bit and the block's size (under 8 MiB), nonzero; and back, for the
+// watchdog's messages.
 __host__ __device__ constexpr uint32_t PackedFlag(uint64_t value) {
-  return 0x80000000u | static_cast<uint32_t>((value >> 48) & 0x7f) << 24 |
-         static_cast<uint32_t>((value >> 56) & 1) << 23 | static_cast<uint32_t>(value & 0x7fffff);
+  return 0x80000000u | static_cast<uint32_t>((value >> kFlagOpShift) & 0x7f) << 24 |
+         static_cast<uint32_t>((value >> kFlagSummedShift) & 1) << 23 |
+         static_cast<uint32_t>(value & 0x7fffff);
 }
 __host__ __device__ constexpr uint64_t PackedFlagValue(uint32_t flag) {
-  return flag ? (uint64_t{1} << 63) | static_cast<uint64_t>((flag >> 24) & 0x7f) << 48 |
-                    static_cast<uint64_t>((flag >> 23) & 1) << 56 | (flag & 0x7fffff)
+  return flag ? kFlagMark | static_cast<uint64_t>((flag >> 24) & 0x7f) << kFlagOpShift |
+                    static_cast<uint64_t>((flag >> 23) & 1) << kFlagSummedShift | (flag & 0x7fffff)
               : 0;
 }
+// A value of every field round-trips: the watchdog names the same call either way.
+static_assert(PackedFlagValue(PackedFlag(kFlagMark | uint64_t{5} << kFlagOpShift |
+                                         uint64_t{1} << kFlagSummedShift | 0x7fff10)) ==
+                  (kFlagMark | uint64_t{5} << kFlagOpShift | uint64_t{1} << kFlagSummedShift |
+                   0x7fff10),
+              "PackedFlag keeps the op, the summed bit and the size");
 
 // Whether a call of this kind and block size takes the packed exchange, where the packed
 // slots hold `packed_bytes` of data (0: the path is off). Not a permute: a slot is reused two

@@ -21,8 +21,6 @@
 namespace hoccl {
 namespace {
 
-constexpr uint64_t kSizeMask = (uint64_t{1} << 48) - 1;
-
 std::atomic<uint64_t> g_captured_calls{0};
 std::atomic<uint64_t> g_packed_calls{0};
 
@@ -187,22 +185,24 @@ bool StagedEligible(const OpSpec& spec) {
   return BlockBytes(spec) <= slot;
 }
 
-// Bits 48-55: the op + 1; bit 56: summed (psum, psum_scatter); bits 0-47: the block's bytes.
+// The layout: exchange_kernel.h, kFlagMark and the fields after it.
 uint64_t StagedFlagValue(const OpSpec& spec) {
-  return (uint64_t{1} << 63) | (static_cast<uint64_t>(spec.op) + 1) << 48 |
-         static_cast<uint64_t>(spec.sum != SumType::kNone) << 56 | (BlockBytes(spec) & kSizeMask);
+  return kFlagMark | (static_cast<uint64_t>(spec.op) + 1) << kFlagOpShift |
+         static_cast<uint64_t>(spec.sum != SumType::kNone) << kFlagSummedShift |
+         (BlockBytes(spec) & kFlagSizeMask);
 }
 
 std::string DescribeStagedFlag(uint64_t value) {
-  const int op = static_cast<int>((value >> 48) & 0xff) - 1;
-  const bool summed = (value >> 56) & 1;
-  if (!(value >> 63) || op < 0 || op > static_cast<int>(OpKind::kPermute) ||
-      (summed && op == static_cast<int>(OpKind::kPermute)) || ((value >> 57) & 0x3f))
+  const int op = static_cast<int>((value >> kFlagOpShift) & 0xff) - 1;
+  const bool summed = (value >> kFlagSummedShift) & 1;
+  if (!(value & kFlagMark) || op < 0 || op > static_cast<int>(OpKind::kPermute) ||
+      (summed && op == static_cast<int>(OpKind::kPermute)) ||
+      ((value >> (kFlagSummedShift + 1)) & 0x3f))
     return "an unknown call (flag " + std::to_string(value) + ")";
   const char* name = !summed ? OpName(static_cast<OpKind>(op))
                      : static_cast<OpKind>(op) == OpKind::kAllGather ? "psum"
                                                                      : "psum_scatter";
-  return std::string(name) + " of " + std::to_string(value & kSizeMask) + "-byte blocks";
+  return std::string(name) + " of " + std::to_string(value & kFlagSizeMask) + "-byte blocks";
 }
 
 ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cudaStream_t stream,
