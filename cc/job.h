@@ -41,6 +41,14 @@ int64_t GlobalDeviceId(int64_t local_ordinal);
 void NameSite(int64_t site, std::string name);
 std::string SiteName(int64_t site, const char* mover);
 
+// The user's op a call serves, named (SiteName) only where a message needs it: a call that
+// goes well never builds the string.
+struct OpLabel {
+  int64_t site = -1;
+  const char* mover = "";  // a string literal (OpName)
+  std::string Name() const { return SiteName(site, mover); }
+};
+
 // A site shared by alternative instructions: the n-th collective of each branch of one
 // lax.cond / lax.switch, of which each rank may run another (src/jax_hoccl/_src/branches.py).
 // The CPU engine pairs every instruction of a shared site as one (handlers_cpu.cc).

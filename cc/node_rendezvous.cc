@@ -336,6 +336,10 @@ std::string NodeRendezvous::Fail(int rank, const char* op, const std::string& re
   return reason;
 }
 
+bool NodeRendezvous::Failed() const {
+  return seg_->failure.state.load(std::memory_order_acquire) != 0;
+}
+
 std::string NodeRendezvous::Broken(const char* op) {
   const Failure& f = seg_->failure;
   int32_t state = f.state.load(std::memory_order_acquire);

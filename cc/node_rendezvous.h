@@ -87,6 +87,8 @@ class NodeRendezvous {
   // "" while the group is usable; else the error for this process's call `op`: the reason
   // itself where this process gave up, else naming the rank that gave up and its reason.
   std::string Broken(const char* op);
+  // Whether a rank gave up on the group (Broken's cheap test, for calls on the fast path).
+  bool Failed() const;
   // The number of my entries still published and not yet released by every peer.
   int LiveEntries(int rank);
   // The n-th call of CPU instruction `key` by `rank` (0, 1, ...).

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -18,13 +19,30 @@
 
 namespace hoccl {
 
-Communicator& CudaCommunicator(const std::vector<int64_t>& ids) {
-  thread_local std::vector<std::pair<std::vector<int64_t>, Communicator*>> cache;
-  for (auto& entry : cache)
-    if (entry.first == ids) return *entry.second;
-  Communicator& comm = GetCommunicator("cuda", ids);
-  cache.emplace_back(ids, &comm);
-  return comm;
+ffi::ErrorOr<const CudaGroup*> FindCudaGroup(OpKind op, const Group& group, int32_t device) {
+  struct Met {
+    std::vector<int64_t> table;
+    int64_t size;
+    int32_t device;
+    CudaGroup group;
+  };
+  thread_local std::vector<std::unique_ptr<Met>> met;
+  for (const auto& m : met)
+    if (m->device == device && m->size == group.size &&
+        std::equal(m->table.begin(), m->table.end(), group.ids.begin(), group.ids.end()))
+      return &m->group;
+  GroupPosition pos;
+  ffi::Error found = FindGroupOf(op, group, GlobalDeviceId(device), &pos);
+  if (!found.success()) return found;
+  auto m = std::make_unique<Met>();
+  m->table.assign(group.ids.begin(), group.ids.end());
+  m->size = group.size;
+  m->device = device;
+  m->group.rank = pos.rank;
+  m->group.comm = &GetCommunicator("cuda", pos.device_ids);
+  m->group.ids = std::move(pos.device_ids);
+  met.push_back(std::move(m));
+  return &met.back()->group;
 }
 
 ffi::ErrorCode CodeFor(ErrorKind k) {
@@ -89,15 +107,15 @@ ffi::Error FinishStart(AsyncState& a, cudaStream_t stream, int64_t site) {
 ffi::Error EnqueueExchange(OpKind op, cudaStream_t stream, int lane, int32_t device, const void* in,
                            size_t in_bytes, void* out_data, size_t out_bytes, const Group& group,
                            const ExchangeOptions& options, const Announce* announce) {
+  auto found = FindCudaGroup(op, group, device);
+  if (found.has_error()) return found.error();
   OpSpec spec;
-  std::vector<int64_t> ids;
-  ffi::Error decoded =
-      DecodeOp(op, GlobalDeviceId(device), in_bytes, out_bytes, group, options, &spec, &ids);
-  if (!decoded.success()) return decoded;
+  ffi::Error made = MakeSpec(op, (*found)->rank, group, in_bytes, out_bytes, options, &spec);
+  if (!made.success()) return made;
   in = InputFor(spec, in, out_data);
   if (spec.bytes > 0 && OutputBytes(spec) > 0) {
-    ExecStatus st = RunOnCuda(CudaCommunicator(ids), spec, stream, in, out_data, lane,
-                              SiteName(group.site, OpName(op)), announce);
+    ExecStatus st = RunOnCuda(*(*found)->comm, spec, stream, in, out_data, lane,
+                              OpLabel{group.site, OpName(op)}, announce);
     if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
   }
   return ffi::Error::Success();

@@ -22,9 +22,17 @@ namespace hoccl {
 
 namespace ffi = xla::ffi;
 
-// GetCommunicator builds a string key under a global lock; the same few groups come back on
-// every call, so each handler thread remembers them (communicators live for the process).
-Communicator& CudaCommunicator(const std::vector<int64_t>& ids);
+// A group as a device's handlers meet it: the device's rank, the group's device ids in rank
+// order, its communicator (which lives for the process).
+struct CudaGroup {
+  int rank = -1;
+  std::vector<int64_t> ids;
+  Communicator* comm = nullptr;
+};
+// `device`'s (XLA's ordinal) group in the table. Finding it maps the ordinal and builds the
+// communicator's key under global locks; the same few tables come back on every call, so each
+// handler thread remembers what it found for each.
+ffi::ErrorOr<const CudaGroup*> FindCudaGroup(OpKind op, const Group& group, int32_t device);
 
 ffi::ErrorCode CodeFor(ErrorKind k);
 

@@ -237,43 +237,41 @@ std::string EnqueueMultiStream(const CallContext& c, DeviceResources& res) {
 }  // namespace
 
 ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream, const void* input,
-                     void* output, int lane, const std::string& user_op, const Announce* announce) {
-  const std::string op_name = user_op.empty() ? std::string(OpName(spec.op)) : user_op;
-  const char* op = op_name.c_str();
+                     void* output, int lane, const OpLabel& label, const Announce* announce) {
   std::string err = comm.Broken();
   if (!err.empty()) return {ErrorKind::kDeadline, err};
   err = ValidateSpec(spec);
   if (err.empty() && (lane < 0 || lane >= kLanes))
     err = "lane " + std::to_string(lane) + " out of range";
-  if (!err.empty())
-    return {ErrorKind::kInvalidArgument, std::string("jax_hoccl ") + op + ": " + err};
-  HOCCL_TRACE("%s rank %d/%d: enter, %zu bytes, stream %p, in %p out %p\n", op, spec.rank,
+  if (!err.empty()) return {ErrorKind::kInvalidArgument, "jax_hoccl " + label.Name() + ": " + err};
+  HOCCL_TRACE("%s rank %d/%d: enter, %zu bytes, stream %p, in %p out %p\n", label.mover, spec.rank,
               spec.group_size, spec.bytes, static_cast<void*>(stream), input, output);
   const DriverApi& api = GetDriverApi();
   HOCCL_TRACE("driver api: write %p wait %p batch %p err '%s'\n",
               reinterpret_cast<void*>(api.write_value64), reinterpret_cast<void*>(api.wait_value64),
               reinterpret_cast<void*>(api.batch_mem_op), api.error.c_str());
   if (!api.error.empty())
-    return {ErrorKind::kUnavailable, std::string("jax_hoccl ") + op + ": " + api.error};
+    return {ErrorKind::kUnavailable, "jax_hoccl " + label.Name() + ": " + api.error};
 
   int device = -1;
   bool capturing = false;
-  err = CurrentDevice(stream, &device, &capturing);
-  if (!err.empty()) return {ErrorKind::kInternal, std::string("jax_hoccl ") + op + ": " + err};
-  HOCCL_TRACE("%s rank %d: CUDA device %d\n", op, spec.rank, device);
   RankState* rs = nullptr;
-  err = GetRankState(comm, spec, device, stream, op, &rs);
+  err = RankStateOn(comm, spec, stream, label, &rs, &device, &capturing);
   if (!err.empty()) {
+    if (device < 0) return {ErrorKind::kInternal, "jax_hoccl " + label.Name() + ": " + err};
     ErrorKind k = comm.Broken().empty() ? ErrorKind::kInternal : ErrorKind::kDeadline;
-    return {k, Prefix(spec, op, device) + err};
+    return {k, Prefix(spec, label.Name().c_str(), device) + err};
   }
+  HOCCL_TRACE("%s rank %d: CUDA device %d\n", label.mover, spec.rank, device);
   RankState& st = *rs;
   // Async starts are staged where the exchange kernel serves (staged_exchange.h), else they
   // keep the zero-copy path; announced rows (a flagged GEMM waits for each chunk's flag)
   // always do.
   if (!announce && (lane == 0 || StagedKernelServes(spec.group_size)) && st.progress &&
       StagedEligible(spec))
-    return RunStaged(comm, st, spec, stream, capturing, input, output, lane, op);
+    return RunStaged(comm, st, spec, stream, capturing, input, output, lane, label);
+  const std::string op_name = label.Name();
+  const char* op = op_name.c_str();
   if (spec.sum != SumType::kNone)  // the lowering picks summed targets for staged blocks only
     return {ErrorKind::kInvalidArgument,
             Prefix(spec, op, device) +

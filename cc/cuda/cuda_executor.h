@@ -30,6 +30,7 @@
 #include "communicator.h"
 #include "cuda/rank_state.h"
 #include "cuda/transport/peer_transport.h"
+#include "job.h"
 #include "plan.h"
 
 namespace hoccl {
@@ -82,10 +83,10 @@ struct Announce {
 
 // Enqueues `spec` for spec.rank on `stream` (XLA's stream of the current device, lane 0, or
 // an async start's stream, its lane). Returns once everything is enqueued; on the zero-copy
-// path the host rendezvous with every involved peer has happened by then. `user_op` names the op in
-// errors (the user's, e.g. "psum (all_gather)"; default the mover's).
+// path the host rendezvous with every involved peer has happened by then. `label` names the
+// user's op in errors (e.g. "psum (all_gather)").
 ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream, const void* input,
-                     void* output, int lane = 0, const std::string& user_op = "",
+                     void* output, int lane, const OpLabel& label,
                      const Announce* announce = nullptr);
 
 }  // namespace hoccl

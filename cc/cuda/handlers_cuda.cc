@@ -23,23 +23,23 @@ namespace ffi = xla::ffi;
 namespace hoccl {
 namespace {
 
-ffi::Error RunCuda(OpKind op, cudaStream_t stream, int64_t device, ffi::AnyBuffer x,
+ffi::Error RunCuda(OpKind op, cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                    ffi::Result<ffi::AnyBuffer> out, const Group& group,
                    const ExchangeOptions& options) {
   HostTimer timer("collective");
   HOCCL_TRACE("handler %s: device %lld, stream %p, %zu groups entries, group size %lld\n",
               OpName(op), static_cast<long long>(device), static_cast<void*>(stream),
               group.ids.size(), static_cast<long long>(group.size));
+  auto found = FindCudaGroup(op, group, device);
+  if (found.has_error()) return found.error();
   OpSpec spec;
-  std::vector<int64_t> ids;
-  ffi::Error decoded = DecodeOp(op, GlobalDeviceId(device), x.size_bytes(), out->size_bytes(),
-                                group, options, &spec, &ids);
-  if (!decoded.success()) return decoded;
+  ffi::Error made =
+      MakeSpec(op, (*found)->rank, group, x.size_bytes(), out->size_bytes(), options, &spec);
+  if (!made.success()) return made;
   // Every rank sees the same shapes, so all skip together and sequence numbers stay in step.
   if (spec.bytes == 0) return ffi::Error::Success();
-  Communicator& comm = CudaCommunicator(ids);
-  ExecStatus st = RunOnCuda(comm, spec, stream, x.untyped_data(), out->untyped_data(), 0,
-                            SiteName(group.site, OpName(op)));
+  ExecStatus st = RunOnCuda(*(*found)->comm, spec, stream, x.untyped_data(), out->untyped_data(), 0,
+                            OpLabel{group.site, OpName(op)});
   if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
   return ffi::Error::Success();
 }

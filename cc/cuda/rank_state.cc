@@ -147,32 +147,14 @@ size_t ZeroCopyFlagBytes(int group_size) {
   return (kLanes * 2 * static_cast<size_t>(group_size) * sizeof(uint64_t) + 255) / 256 * 256;
 }
 
-std::string GetRankState(Communicator& comm, const OpSpec& spec, int device, cudaStream_t stream,
-                         const char* op, RankState** out) {
-  RankState& st = RankStateFor(&comm, spec.rank);
-  std::lock_guard<std::mutex> lock(st.mu);
-  if (!st.ready && st.setup_error.empty()) {
-    std::string err = SetupRank(st, comm, spec, device, stream, op);
-    if (err.empty())
-      st.ready = true;
-    else
-      st.setup_error = err;
-    HOCCL_TRACE("%s rank %d: setup flags %p -> '%s'\n", op, spec.rank, static_cast<void*>(st.flags),
-                err.c_str());
-  }
-  if (!st.ready) return st.setup_error;
-  *out = &st;
-  return "";
-}
+namespace {
 
-std::string CurrentDevice(cudaStream_t stream, int* device, bool* capturing) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  HOCCL_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
-  *capturing = capture != cudaStreamCaptureStatusNone;
+// The stream's device (made current for this thread) at a rank's first call.
+std::string StreamDevice(cudaStream_t stream, bool capturing, int* device) {
 #if CUDART_VERSION >= 12080
   // Under stream capture (XLA recording a CUDA graph) cudaStreamGetDevice is refused; the
   // handler's thread is then already on its device.
-  if (*capturing) {
+  if (capturing) {
     HOCCL_CUDA_RETURN(cudaGetDevice(device));
     return "";
   }
@@ -182,8 +164,45 @@ std::string CurrentDevice(cudaStream_t stream, int* device, bool* capturing) {
   if (current != *device) HOCCL_CUDA_RETURN(cudaSetDevice(*device));
 #else
   (void)stream;
+  (void)capturing;
   HOCCL_CUDA_RETURN(cudaGetDevice(device));
 #endif
+  return "";
+}
+
+}  // namespace
+
+std::string RankStateOn(Communicator& comm, const OpSpec& spec, cudaStream_t stream,
+                        const OpLabel& label, RankState** out, int* device, bool* capturing) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  HOCCL_CUDA_RETURN(cudaStreamIsCapturing(stream, &capture));
+  *capturing = capture != cudaStreamCaptureStatusNone;
+  RankState& st = RankStateFor(&comm, spec.rank);
+  if (st.ready.load(std::memory_order_acquire)) {
+    // A rank of a group is one device: the one its first call found.
+    *device = st.device;
+    *out = &st;
+    if (*capturing) return "";  // as StreamDevice: the thread is on its device
+    int current = -1;
+    HOCCL_CUDA_RETURN(cudaGetDevice(&current));
+    if (current != st.device) HOCCL_CUDA_RETURN(cudaSetDevice(st.device));
+    return "";
+  }
+  std::string err = StreamDevice(stream, *capturing, device);
+  if (!err.empty()) return err;
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (!st.ready.load() && st.setup_error.empty()) {
+    const std::string op = label.Name();
+    err = SetupRank(st, comm, spec, *device, stream, op.c_str());
+    if (err.empty())
+      st.ready.store(true, std::memory_order_release);
+    else
+      st.setup_error = err;
+    HOCCL_TRACE("%s rank %d: setup flags %p -> '%s'\n", op.c_str(), spec.rank,
+                static_cast<void*>(st.flags), err.c_str());
+  }
+  if (!st.ready.load()) return st.setup_error;
+  *out = &st;
   return "";
 }
 

@@ -19,6 +19,7 @@
 #include "communicator.h"
 #include "cuda/staged/exchange_kernel.h"
 #include "cuda/transport/peer_transport.h"
+#include "job.h"
 #include "node_rendezvous.h"
 #include "plan.h"
 
@@ -35,13 +36,13 @@ struct StagedLaneState {
   static constexpr int kNamed = 1024;
   uint64_t calls = 0;                 // staged calls enqueued so far; parity = calls % 2
   std::atomic<uint64_t> enqueued{0};  // the same, for the watchdog's thread
-  char names[kNamed][48] = {};        // the user's op of call c at c % kNamed (messages)
+  OpLabel names[kNamed] = {};         // the user's op of call c at c % kNamed (messages)
   uint64_t values[kNamed] = {};       // its flag value (op and size: mismatches show)
 };
 
 struct RankState {
   std::mutex mu;  // setup only: calls of one rank come from its device's handler thread
-  bool ready = false;
+  std::atomic<bool> ready{false};
   std::string setup_error;  // a failed setup is final
   int device = -1;
   std::unique_ptr<PeerTransport> transport;
@@ -66,7 +67,7 @@ struct RankState {
   StagedHostWords* host_words_device = nullptr;
   // The user's ops of captured calls, by the tag their kernels carry (watchdog messages).
   static constexpr int kCapturedNames = 256;
-  char captured_names[kCapturedNames][48] = {};
+  OpLabel captured_names[kCapturedNames] = {};
   uint64_t captured_tags = 0;
 };
 
@@ -74,13 +75,11 @@ struct RankState {
 size_t ZeroCopyFlagBytes(int group_size);
 
 // The state of spec.rank in `comm`, set up at the first call (which meets every peer once to
-// map their allocations). `op` names the caller in errors; `stream` is XLA's.
-std::string GetRankState(Communicator& comm, const OpSpec& spec, int device, cudaStream_t stream,
-                         const char* op, RankState** out);
-
-// The current device of `stream`, made current for this thread, and whether the stream is
-// being recorded into a CUDA graph.
-std::string CurrentDevice(cudaStream_t stream, int* device, bool* capturing);
+// map their allocations), and its device, made current for this thread; and whether `stream`
+// (XLA's) is being recorded into a CUDA graph. `label` names the caller in errors. `device`
+// stays -1 where the device could not be found.
+std::string RankStateOn(Communicator& comm, const OpSpec& spec, cudaStream_t stream,
+                        const OpLabel& label, RankState** out, int* device, bool* capturing);
 
 }  // namespace hoccl
 

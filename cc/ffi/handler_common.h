@@ -68,14 +68,10 @@ inline xla::ffi::ErrorOr<ExchangeOptions> SumOf(xla::ffi::DataType type, const c
   return options;
 }
 
-inline xla::ffi::Error DecodeOp(OpKind op, int64_t device, size_t in_bytes, size_t out_bytes,
-                                const Group& group, const ExchangeOptions& options, OpSpec* spec,
-                                std::vector<int64_t>* group_ids) {
-  GroupPosition pos;
-  std::string err = FindGroup(group.ids.begin(), group.ids.size(), group.size, device, &pos);
-  if (!err.empty())
-    return xla::ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) + ": " + err);
-  *spec = OpSpec{op, static_cast<int>(group.size), pos.rank, in_bytes, {}, options.peers_only};
+// The op's spec for rank `rank` of `group`, checking the output size.
+inline xla::ffi::Error MakeSpec(OpKind op, int rank, const Group& group, size_t in_bytes,
+                                size_t out_bytes, const ExchangeOptions& options, OpSpec* spec) {
+  *spec = OpSpec{op, static_cast<int>(group.size), rank, in_bytes, {}, options.peers_only};
   spec->permute_dst.assign(options.permute_dst.begin(), options.permute_dst.end());
   spec->at_source_slot = options.at_source_slot;
   spec->in_place = options.in_place;
@@ -84,6 +80,26 @@ inline xla::ffi::Error DecodeOp(OpKind op, int64_t device, size_t in_bytes, size
   if (out_bytes != OutputBytes(*spec))
     return xla::ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) +
                                             ": output size does not match the input");
+  return xla::ffi::Error::Success();
+}
+
+// `device`'s group and rank in the table (an error naming `op` where it is not there).
+inline xla::ffi::Error FindGroupOf(OpKind op, const Group& group, int64_t device,
+                                   GroupPosition* pos) {
+  std::string err = FindGroup(group.ids.begin(), group.ids.size(), group.size, device, pos);
+  if (!err.empty())
+    return xla::ffi::Error::InvalidArgument(std::string("jax_hoccl ") + OpName(op) + ": " + err);
+  return xla::ffi::Error::Success();
+}
+
+inline xla::ffi::Error DecodeOp(OpKind op, int64_t device, size_t in_bytes, size_t out_bytes,
+                                const Group& group, const ExchangeOptions& options, OpSpec* spec,
+                                std::vector<int64_t>* group_ids) {
+  GroupPosition pos;
+  xla::ffi::Error found = FindGroupOf(op, group, device, &pos);
+  if (!found.success()) return found;
+  xla::ffi::Error made = MakeSpec(op, pos.rank, group, in_bytes, out_bytes, options, spec);
+  if (!made.success()) return made;
   *group_ids = std::move(pos.device_ids);
   return xla::ffi::Error::Success();
 }

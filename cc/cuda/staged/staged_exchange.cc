@@ -4,7 +4,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -206,7 +205,8 @@ std::string DescribeStagedFlag(uint64_t value) {
 }
 
 ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cudaStream_t stream,
-                     bool captured, const void* input, void* output, int lane, const char* op) {
+                     bool captured, const void* input, void* output, int lane,
+                     const OpLabel& label) {
   HostTimer timer("staged");
   const int n = spec.group_size, r = spec.rank;
   const size_t block = BlockBytes(spec);
@@ -216,20 +216,19 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
   // kernel two, by the parity of a count on the device; as copy calls one (kCapturedSet),
   // after meeting their peers' arrival (their earlier captured calls are done with it).
   if (captured && lane != 0)
-    return {ErrorKind::kInternal, std::string("jax_hoccl ") + op +
-                                      ": only calls on XLA's stream "
-                                      "are captured into CUDA graphs"};
+    return {ErrorKind::kInternal, "jax_hoccl " + label.Name() +
+                                      ": only calls on XLA's stream are captured into CUDA graphs"};
   if (spec.sum != SumType::kNone && !StagedKernelServes(n))
     return {ErrorKind::kInvalidArgument,
-            std::string("jax_hoccl ") + op + ": a sum inside the exchange needs the exchange " +
+            "jax_hoccl " + label.Name() + ": a sum inside the exchange needs the exchange " +
                 "kernel (groups of at most " + std::to_string(kKernelMaxRanks) +
                 " ranks, JAX_HOCCL_STAGED_KERNEL unset or 1 in every process when the program " +
                 "was lowered and run)"};
   StagedLaneState& sl = st.staged[lane];
   const uint64_t call = sl.calls;
   const int set = captured ? kCapturedSet : SlotSet(lane, static_cast<int>(call & 1));
-  if (!captured && st.node) {  // a rank of another process gave up on the group
-    std::string broken = st.node->Broken(op);
+  if (!captured && st.node && st.node->Failed()) {  // a rank of another process gave up
+    std::string broken = st.node->Broken(label.Name().c_str());
     if (!broken.empty()) {
       comm.Break(broken);
       return {ErrorKind::kDeadline, broken};
@@ -246,14 +245,14 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
       if (!broken.empty()) return {ErrorKind::kDeadline, broken};
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
-    std::strncpy(sl.names[call % StagedLaneState::kNamed], op, sizeof(sl.names[0]) - 1);
+    sl.names[call % StagedLaneState::kNamed] = label;
     sl.values[call % StagedLaneState::kNamed] = value;
   }
   const int source = spec.op == OpKind::kPermute ? PermuteSource(spec, r) : -1;
   int tag = -1;  // a captured call's entry in st.captured_names (watchdog messages)
   if (captured) {
     tag = static_cast<int>(st.captured_tags++ % RankState::kCapturedNames);
-    std::strncpy(st.captured_names[tag], op, sizeof(st.captured_names[0]) - 1);
+    st.captured_names[tag] = label;
   }
   const Call c{spec,
                stream,
@@ -276,7 +275,7 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
   }
   if (!err.empty()) {
     const std::string msg =
-        std::string("jax_hoccl ") + op + " (rank " + std::to_string(r) + ", staged): " + err;
+        "jax_hoccl " + label.Name() + " (rank " + std::to_string(r) + ", staged): " + err;
     comm.Break(msg);
     return {ErrorKind::kInternal, msg};
   }

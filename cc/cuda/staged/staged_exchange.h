@@ -43,9 +43,10 @@ uint64_t StagedCapturedCalls();
 uint64_t StagedPackedCalls();
 
 // Enqueues spec.rank's part on `stream` (lane `lane`; `captured`: the stream is being recorded
-// into a CUDA graph); `op` is the user's op for messages.
+// into a CUDA graph); `label` is the user's op for messages.
 ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cudaStream_t stream,
-                     bool captured, const void* input, void* output, int lane, const char* op);
+                     bool captured, const void* input, void* output, int lane,
+                     const OpLabel& label);
 
 }  // namespace hoccl
 

@@ -140,9 +140,10 @@ std::string Who(const Communicator& comm, const std::vector<int>& ranks) {
   return out;
 }
 
-void Fire(Watched& w, int lane, const char* name, const std::string& why) {
+void Fire(Watched& w, int lane, const OpLabel& label, const std::string& why) {
+  const std::string name = label.Name();
   const std::string msg =
-      std::string("jax_hoccl ") + name + " (rank " + std::to_string(w.rank) + " of " +
+      "jax_hoccl " + name + " (rank " + std::to_string(w.rank) + " of " +
       std::to_string(w.comm->size()) + ", CUDA device " + std::to_string(w.st->device) +
       ", staged path, lane " + std::to_string(lane) + "): " + why +
       ". The watchdog released the wait on the GPU (that call's result is not valid); every "
@@ -150,7 +151,7 @@ void Fire(Watched& w, int lane, const char* name, const std::string& why) {
   std::fprintf(stderr, "%s\n", msg.c_str());
   std::fflush(stderr);
   w.comm->Break(msg);
-  if (w.st->node) w.st->node->Fail(w.rank, name, msg);
+  if (w.st->node) w.st->node->Fail(w.rank, name.c_str(), msg);
   w.fired = true;
 }
 
