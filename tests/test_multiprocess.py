@@ -4,9 +4,13 @@ cc/node_rendezvous.h, cc/cpu/cpu_cross_process.h) and equal jax.lax (gloo); grou
 (JAX_HOCCL_NODE gives each process its own) compose jax_hoccl inside each node with XLA's
 collectives between them; async pairs across nodes are rejected at lowering."""
 import os
+import queue
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
@@ -462,6 +466,9 @@ LAUNCHED = textwrap.dedent("""
     f(ones(1)).block_until_ready()
     print("FIRST OK", flush=True)
     mode = os.environ["MODE"]
+    if mode == "wait":  # every process, until the launcher is stopped from outside
+        print("PID", os.getpid(), flush=True)
+        time.sleep(1000)
     if jax.process_index() == 1:
         if mode == "os._exit(0)":
             os._exit(0)
@@ -522,3 +529,48 @@ def test_launcher_ends_the_job_at_the_first_failure(tmp_path, mode, code, who, w
   # Its last lines; with every process killed at once, process 0 may die before FIRST OK.
   last = "] SECRET" if mode == "SIGKILL all" else "] FIRST OK"
   assert last in summary[1], summary[1][-2000:]
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_launcher_stopped_by_a_signal_stops_its_job(tmp_path, sig):
+  """A scheduler cancelling the job (SIGTERM, SIGHUP to the launcher) or Ctrl-C (SIGINT): the
+  launcher stops every process of the job and removes its /dev/shm names before it exits
+  with 128 + the signal (by default SIGTERM and SIGHUP would end it at once, leaving its
+  processes running)."""
+  script = tmp_path / "prog.py"
+  script.write_text(LAUNCHED)
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_HOCCL_NODE")}
+  env.update(MODE="wait")
+  launcher = subprocess.Popen([sys.executable, "-P", "-m", "jax_hoccl.launch", "-n", "2",
+                               str(script)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+  lines: queue.Queue = queue.Queue()
+  threading.Thread(target=lambda: [lines.put(line) for line in launcher.stdout] + [lines.put(None)],
+                   daemon=True).start()
+  text, pids, deadline = [], {}, time.monotonic() + 120
+  try:
+    while len(pids) < 2 and time.monotonic() < deadline:
+      try:
+        line = lines.get(timeout=1)
+      except queue.Empty:
+        continue
+      assert line is not None, "".join(text)[-3000:]  # the job ended by itself
+      text.append(line)
+      if "] PID " in line:
+        pids[line[1]] = int(line.split()[-1])
+    assert len(pids) == 2, "".join(text)[-3000:]
+    launcher.send_signal(getattr(signal, sig))
+    code = launcher.wait(timeout=30)
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+  while (line := lines.get(timeout=10)) is not None:
+    text.append(line)
+  out = "".join(text)
+  assert code == 128 + getattr(signal, sig), (code, out[-3000:])
+  assert f"jax_hoccl.launch: stopped by {sig}; the processes were stopped." in out, out[-3000:]
+  for pid in pids.values():  # reaped by the launcher: gone, not left running
+    with pytest.raises(ProcessLookupError):
+      os.kill(pid, 0)
+  secret = next(line.split()[-1] for line in text if " SECRET " in line)
+  assert not [f for f in os.listdir("/dev/shm") if secret in f], out[-3000:]

@@ -16,7 +16,9 @@ in jax.distributed's shutdown, waiting for the peer it lost) and a summary names
 process, its exit code or signal and its last lines; the launcher exits with its code
 (128 + the signal for a signal, 1 for a group error from a process that did not exit).
 Whatever the job left in /dev/shm (names carrying the job's secret, which the launcher
-makes) is removed when it ends, however it ends.
+makes) is removed when it ends, however it ends. The launcher stopped by SIGTERM or SIGHUP
+(a scheduler cancelling the job), or by Ctrl-C, first stops the processes, ends its MPS
+daemon and removes those files, then exits with 128 + the signal.
 """
 from __future__ import annotations
 
@@ -43,6 +45,39 @@ SECRET_ENV = "JAX_HOCCL_JOB_SECRET"
 FAILURE_LOG_ENV = "JAX_HOCCL_FAILURE_LOG"
 _GRACE_S = 2.0  # after the first failure: the processes' last output, then they are stopped
 _TAIL_LINES = 20
+
+
+class Stopped(KeyboardInterrupt):
+  """A signal that ends a process stopped the launcher's job: the job was cleaned up on the
+  way out (an interrupt, so that a test runner or a caller's loop stops too)."""
+
+  def __init__(self, signum: int):
+    super().__init__(f"stopped by {signal.Signals(signum).name}")
+    self.signum = signum
+
+
+@contextlib.contextmanager
+def _stopped_by_signals():
+  """SIGTERM and SIGHUP raise Stopped inside the block, so the cleanup on the way out (the
+  processes killed, the MPS daemon ended, the job's files removed) runs instead of the process
+  ending at once, as it would by default. Only where the default is in force and on the main
+  thread (the only one that may set handlers)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def stop(signum, _frame):
+    raise Stopped(signum)
+
+  previous = {}
+  for sig in (signal.SIGTERM, signal.SIGHUP):
+    if signal.getsignal(sig) is signal.SIG_DFL:
+      previous[sig] = signal.signal(sig, stop)
+  try:
+    yield
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
 
 
 def initialize() -> bool:
@@ -200,7 +235,13 @@ def run_job(commands, envs, timeout: float | None = None, echo: bool = False, **
   (report_failure, or cc/node_rendezvous.h's group errors) ends the job: the others are
   stopped _GRACE_S later (sooner if all have exited), the group killed whole. Whatever the
   job left in /dev/shm under its secret is removed (and listed in `removed`), however it
-  ended. timeout (seconds): the job is stopped then, and timed_out set."""
+  ended. timeout (seconds): the job is stopped then, and timed_out set. SIGTERM or SIGHUP
+  stops the job the same way and raises Stopped."""
+  with _stopped_by_signals():
+    return _run_job(commands, envs, timeout, echo, **popen)
+
+
+def _run_job(commands, envs, timeout, echo, **popen) -> JobResult:
   secret = secrets.token_hex(16)
   folder = tempfile.mkdtemp(prefix="jax_hoccl-launch-")
   log = os.path.join(folder, "failures")
@@ -315,15 +356,21 @@ def main(argv=None) -> int:
   if a.nproc < 1:
     ap.error("--nproc must be >= 1")
   gpus = len(glob.glob("/dev/nvidia[0-9]*"))
-  with contextlib.ExitStack() as stack:
-    shared = {}
-    if 0 < gpus < a.nproc:
-      try:
-        shared = stack.enter_context(mps_daemon())
-      except (OSError, subprocess.SubprocessError) as e:  # no MPS here: the GPU time-slices
-        print(f"jax_hoccl.launch: no MPS daemon ({e}); the processes take turns on GPU 0",
-              file=sys.stderr)
-    return _run(a, gpus, shared)
+  try:
+    with _stopped_by_signals(), contextlib.ExitStack() as stack:
+      shared = {}
+      if 0 < gpus < a.nproc:
+        try:
+          shared = stack.enter_context(mps_daemon())
+        except (OSError, subprocess.SubprocessError) as e:  # no MPS here: the GPU time-slices
+          print(f"jax_hoccl.launch: no MPS daemon ({e}); the processes take turns on GPU 0",
+                file=sys.stderr)
+      return _run(a, gpus, shared)
+  except KeyboardInterrupt as e:  # Ctrl-C, or Stopped: the job is cleaned up by now
+    signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+    print(f"jax_hoccl.launch: stopped by {signal.Signals(signum).name}; the processes were "
+          "stopped.", file=sys.stderr)
+    return 128 + signum
 
 
 def _run(a, gpus: int, shared: dict) -> int:
