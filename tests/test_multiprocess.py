@@ -466,7 +466,12 @@ LAUNCHED = textwrap.dedent("""
     f(ones(1)).block_until_ready()
     print("FIRST OK", flush=True)
     mode = os.environ["MODE"]
-    if mode == "wait":  # every process, until the launcher is stopped from outside
+    if mode == "wait":  # every process, until the launcher is stopped and passes its signal on
+        def stopped(signum, _):
+            print("GOT", signal.Signals(signum).name, flush=True)
+            os._exit(0)
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(sig, stopped)
         print("PID", os.getpid(), flush=True)
         time.sleep(1000)
     if jax.process_index() == 1:
@@ -534,9 +539,10 @@ def test_launcher_ends_the_job_at_the_first_failure(tmp_path, mode, code, who, w
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
 def test_launcher_stopped_by_a_signal_stops_its_job(tmp_path, sig):
   """A scheduler cancelling the job (SIGTERM, SIGHUP to the launcher) or Ctrl-C (SIGINT): the
-  launcher stops every process of the job and removes its /dev/shm names before it exits
-  with 128 + the signal (by default SIGTERM and SIGHUP would end it at once, leaving its
-  processes running)."""
+  launcher passes the signal on to every process of the job (whose handlers may save a
+  checkpoint), stops them and removes the job's /dev/shm names before it exits with 128 +
+  the signal (by default SIGTERM and SIGHUP would end it at once, leaving its processes
+  running)."""
   script = tmp_path / "prog.py"
   script.write_text(LAUNCHED)
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_HOCCL_NODE")}
@@ -569,6 +575,7 @@ def test_launcher_stopped_by_a_signal_stops_its_job(tmp_path, sig):
   out = "".join(text)
   assert code == 128 + getattr(signal, sig), (code, out[-3000:])
   assert f"jax_hoccl.launch: stopped by {sig}; the processes were stopped." in out, out[-3000:]
+  assert f"[0] GOT {sig}" in out and f"[1] GOT {sig}" in out, out[-3000:]
   for pid in pids.values():  # reaped by the launcher: gone, not left running
     with pytest.raises(ProcessLookupError):
       os.kill(pid, 0)

@@ -17,8 +17,9 @@ process, its exit code or signal and its last lines; the launcher exits with its
 (128 + the signal for a signal, 1 for a group error from a process that did not exit).
 Whatever the job left in /dev/shm (names carrying the job's secret, which the launcher
 makes) is removed when it ends, however it ends. The launcher stopped by SIGTERM or SIGHUP
-(a scheduler cancelling the job), or by Ctrl-C, first stops the processes, ends its MPS
-daemon and removes those files, then exits with 128 + the signal.
+(a scheduler cancelling the job), or by Ctrl-C, passes the signal on to the processes, gives
+them 10 s to exit (time for a handler of theirs to save a checkpoint), kills what is left,
+ends its MPS daemon and removes those files, then exits with 128 + the signal.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ SECRET_ENV = "JAX_HOCCL_JOB_SECRET"
 FAILURE_LOG_ENV = "JAX_HOCCL_FAILURE_LOG"
 _GRACE_S = 2.0  # after the first failure: the processes' last output, then they are stopped
 _TAIL_LINES = 20
+_STOP_GRACE_S = 10.0  # the launcher stopped: its signal passed on, then the processes killed
 
 
 class Stopped(KeyboardInterrupt):
@@ -164,6 +166,23 @@ def start_group(commands, envs, **popen):
   return procs
 
 
+def _pass_on(signum: int, procs) -> None:
+  """Sends the signal that stopped the launcher to a start_group group and gives its processes
+  _STOP_GRACE_S to exit (their own handlers may save a checkpoint); end_group ends the rest."""
+  if not procs:
+    return
+  try:
+    os.killpg(procs[0].pid, signum)
+  except ProcessLookupError:
+    return
+  deadline = time.monotonic() + _STOP_GRACE_S
+  for p in procs:
+    try:
+      p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      return
+
+
 def end_group(procs) -> None:
   """Kills what is left of a start_group group and reaps it."""
   if not procs:
@@ -235,8 +254,9 @@ def run_job(commands, envs, timeout: float | None = None, echo: bool = False, **
   (report_failure, or cc/node_rendezvous.h's group errors) ends the job: the others are
   stopped _GRACE_S later (sooner if all have exited), the group killed whole. Whatever the
   job left in /dev/shm under its secret is removed (and listed in `removed`), however it
-  ended. timeout (seconds): the job is stopped then, and timed_out set. SIGTERM or SIGHUP
-  stops the job the same way and raises Stopped."""
+  ended. timeout (seconds): the job is stopped then, and timed_out set. SIGTERM, SIGHUP or
+  SIGINT is passed on to the processes, which are stopped _STOP_GRACE_S later at most; then
+  Stopped (KeyboardInterrupt for SIGINT) is raised."""
   with _stopped_by_signals():
     return _run_job(commands, envs, timeout, echo, **popen)
 
@@ -288,6 +308,9 @@ def _run_job(commands, envs, timeout, echo, **popen) -> JobResult:
       if deadline is not None and now >= deadline:
         timed_out = True
         break
+  except KeyboardInterrupt as e:  # the processes get the signal first (to save a checkpoint)
+    _pass_on(e.signum if isinstance(e, Stopped) else signal.SIGINT, [r.proc for r in ranks])
+    raise
   finally:
     end_group([r.proc for r in ranks])
     for r in ranks:
