@@ -467,8 +467,8 @@ LAUNCHED = textwrap.dedent("""
     print("FIRST OK", flush=True)
     mode = os.environ["MODE"]
     if mode == "wait":  # every process, until the launcher is stopped and passes its signal on
-        def stopped(signum, _):
-            print("GOT", signal.Signals(signum).name, flush=True)
+        def stopped(signum, _):  # (not print: the signal may come while print runs)
+            os.write(1, f"GOT {signal.Signals(signum).name}\\n".encode())
             os._exit(0)
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             signal.signal(sig, stopped)
@@ -536,13 +536,10 @@ def test_launcher_ends_the_job_at_the_first_failure(tmp_path, mode, code, who, w
   assert last in summary[1], summary[1][-2000:]
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
-def test_launcher_stopped_by_a_signal_stops_its_job(tmp_path, sig):
-  """A scheduler cancelling the job (SIGTERM, SIGHUP to the launcher) or Ctrl-C (SIGINT): the
-  launcher passes the signal on to every process of the job (whose handlers may save a
-  checkpoint), stops them and removes the job's /dev/shm names before it exits with 128 +
-  the signal (by default SIGTERM and SIGHUP would end it at once, leaving its processes
-  running)."""
+def _waiting_job(tmp_path):
+  """python -m jax_hoccl.launch -n 2 of LAUNCHED in mode "wait", once both processes wait:
+  (the launcher, a queue of its output lines, ending with None, the lines so far, the
+  processes' pids)."""
   script = tmp_path / "prog.py"
   script.write_text(LAUNCHED)
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_HOCCL_NODE")}
@@ -565,6 +562,32 @@ def test_launcher_stopped_by_a_signal_stops_its_job(tmp_path, sig):
       if "] PID " in line:
         pids[line[1]] = int(line.split()[-1])
     assert len(pids) == 2, "".join(text)[-3000:]
+  except BaseException:
+    launcher.kill()
+    raise
+  return launcher, lines, text, pids
+
+
+def _gone(pid: int, within: float) -> bool:
+  deadline = time.monotonic() + within
+  while time.monotonic() < deadline:
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return True
+    time.sleep(0.05)
+  return False
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_launcher_stopped_by_a_signal_stops_its_job(tmp_path, sig):
+  """A scheduler cancelling the job (SIGTERM, SIGHUP to the launcher) or Ctrl-C (SIGINT): the
+  launcher passes the signal on to every process of the job (whose handlers may save a
+  checkpoint), stops them and removes the job's /dev/shm names before it exits with 128 +
+  the signal (by default SIGTERM and SIGHUP would end it at once, leaving its processes
+  running)."""
+  launcher, lines, text, pids = _waiting_job(tmp_path)
+  try:
     launcher.send_signal(getattr(signal, sig))
     code = launcher.wait(timeout=30)
   finally:
@@ -581,3 +604,18 @@ def test_launcher_stopped_by_a_signal_stops_its_job(tmp_path, sig):
       os.kill(pid, 0)
   secret = next(line.split()[-1] for line in text if " SECRET " in line)
   assert not [f for f in os.listdir("/dev/shm") if secret in f], out[-3000:]
+
+
+def test_launcher_killed_takes_its_processes_along(tmp_path):
+  """SIGKILL of the launcher, which it cannot pass on: the processes, which called
+  launch.initialize(), die with it (Linux's parent-death signal) instead of running on."""
+  launcher, lines, text, pids = _waiting_job(tmp_path)
+  launcher.kill()
+  launcher.wait(timeout=30)
+  secret = next(line.split()[-1] for line in text if " SECRET " in line)
+  try:
+    for pid in pids.values():
+      assert _gone(pid, 20), f"process {pid} runs on after its launcher was killed"
+  finally:
+    from jax_hoccl import launch
+    launch.remove_job_shared_memory(secret)  # the launcher's cleanup, which did not run

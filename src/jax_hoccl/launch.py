@@ -16,7 +16,8 @@ in jax.distributed's shutdown, waiting for the peer it lost) and a summary names
 process, its exit code or signal and its last lines; the launcher exits with its code
 (128 + the signal for a signal, 1 for a group error from a process that did not exit).
 Whatever the job left in /dev/shm (names carrying the job's secret, which the launcher
-makes) is removed when it ends, however it ends. The launcher stopped by SIGTERM or SIGHUP
+makes) is removed when it ends, however it ends. A process that called initialize() is
+killed if the launcher itself is (even by SIGKILL). The launcher stopped by SIGTERM or SIGHUP
 (a scheduler cancelling the job), or by Ctrl-C, passes the signal on to the processes, gives
 them 10 s to exit (time for a handler of theirs to save a checkpoint), kills what is left,
 ends its MPS daemon and removes those files, then exits with 128 + the signal.
@@ -39,7 +40,7 @@ import tempfile
 import threading
 import time
 
-_ENV = "JAX_HOCCL_LAUNCH"  # "address,num_processes,process_id,local_gpu or -1"
+_ENV = "JAX_HOCCL_LAUNCH"  # "address,num_processes,process_id,local_gpu or -1,launcher pid"
 # The job's secret (its /dev/shm names derive from it), and the file a process appends
 # "pid<TAB>reason" to when it gives up on a group (cc/node_rendezvous.h, _src/job.py).
 SECRET_ENV = "JAX_HOCCL_JOB_SECRET"
@@ -87,7 +88,8 @@ def initialize() -> bool:
   spec = os.environ.get(_ENV)
   if not spec:
     return False
-  address, n, i, gpu = spec.split(",")
+  address, n, i, gpu, launcher = spec.split(",")
+  _end_with(int(launcher))
   import jax
   kwargs = {"local_device_ids": [int(gpu)]} if int(gpu) >= 0 else {}
   if int(gpu) < 0:
@@ -95,6 +97,22 @@ def initialize() -> bool:
   jax.distributed.initialize(address, num_processes=int(n), process_id=int(i), **kwargs)
   _report_uncaught_exceptions()
   return True
+
+
+def _end_with(launcher: int) -> None:
+  """This process is killed when the launcher dies, even of SIGKILL (which the launcher cannot
+  pass on): Linux's parent-death signal, set here rather than at the launch because a
+  subprocess's preexec_fn is unsafe in a launcher with threads."""
+  if not sys.platform.startswith("linux"):
+    return
+  import ctypes
+  pr_set_pdeathsig = 1
+  try:
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+  except (OSError, AttributeError):
+    return
+  if os.getppid() != launcher:  # it died before the signal was set
+    os._exit(1)
 
 
 def report_failure(reason: str) -> None:
@@ -411,7 +429,7 @@ def _run(a, gpus: int, shared: dict) -> int:
       env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                           f" --xla_force_host_platform_device_count={max(1, 8 // a.nproc)}").strip()
       env.setdefault("PJRT_NPROC", "16")
-    env[_ENV] = f"{address},{a.nproc},{i},{gpu}"
+    env[_ENV] = f"{address},{a.nproc},{i},{gpu},{os.getpid()}"
     envs.append(env)
   result = run_job([[sys.executable, a.script, *a.args]] * a.nproc, envs, echo=True)
   if result.summary:
