@@ -608,14 +608,23 @@ def test_launcher_stopped_by_a_signal_stops_its_job(tmp_path, sig):
 
 def test_launcher_killed_takes_its_processes_along(tmp_path):
   """SIGKILL of the launcher, which it cannot pass on: the processes, which called
-  launch.initialize(), die with it (Linux's parent-death signal) instead of running on."""
+  launch.initialize(), die with it (Linux's parent-death signal) instead of running on, and
+  the launcher's fallback cleanup removes the job's /dev/shm names."""
   launcher, lines, text, pids = _waiting_job(tmp_path)
-  launcher.kill()
-  launcher.wait(timeout=30)
   secret = next(line.split()[-1] for line in text if " SECRET " in line)
+  try:
+    # a name of the job's as a process that died mid-call leaves it (these unlink theirs early)
+    open(f"/dev/shm/jax_hoccl-{secret}-left", "w").close()
+  finally:
+    launcher.kill()
+  launcher.wait(timeout=30)
   try:
     for pid in pids.values():
       assert _gone(pid, 20), f"process {pid} runs on after its launcher was killed"
+    deadline = time.monotonic() + 20
+    while [f for f in os.listdir("/dev/shm") if secret in f] and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert not [f for f in os.listdir("/dev/shm") if secret in f]
   finally:
     from jax_hoccl import launch
-    launch.remove_job_shared_memory(secret)  # the launcher's cleanup, which did not run
+    launch.remove_job_shared_memory(secret)  # whatever a failure left

@@ -16,8 +16,9 @@ in jax.distributed's shutdown, waiting for the peer it lost) and a summary names
 process, its exit code or signal and its last lines; the launcher exits with its code
 (128 + the signal for a signal, 1 for a group error from a process that did not exit).
 Whatever the job left in /dev/shm (names carrying the job's secret, which the launcher
-makes) is removed when it ends, however it ends. A process that called initialize() is
-killed if the launcher itself is (even by SIGKILL). The launcher stopped by SIGTERM or SIGHUP
+makes) is removed when it ends, however it ends. Should the launcher itself be killed (even by
+SIGKILL), a process that called initialize() dies with it, and a small shell process of the
+launcher's, in a session of its own, removes those files and ends the MPS daemon. The launcher stopped by SIGTERM or SIGHUP
 (a scheduler cancelling the job), or by Ctrl-C, passes the signal on to the processes, gives
 them 10 s to exit (time for a handler of theirs to save a checkpoint), kills what is left,
 ends its MPS daemon and removes those files, then exits with 128 + the signal.
@@ -151,11 +152,30 @@ def local_address() -> str:
     return f"127.0.0.1:{s.getsockname()[1]}"
 
 
+def _cleanup_if_killed(script: str, *args: str) -> int:
+  """Starts `sh -c script` (args: $1...), which runs once the returned pipe end is closed: by
+  the caller when it has cleaned up itself (the script then finds nothing left to do), or by
+  the kernel when the caller dies, even of SIGKILL, which runs none of its own cleanup. Its
+  own session: Ctrl-C at the terminal does not reach it."""
+  read, write = os.pipe()
+  try:
+    subprocess.Popen(["sh", "-c", f"cat > /dev/null; {script}", "jax_hoccl-cleanup", *args],
+                     stdin=read, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
+  except OSError:
+    os.close(write)
+    raise
+  finally:
+    os.close(read)
+  return write
+
+
 @contextlib.contextmanager
 def mps_daemon():
   """An MPS control daemon of its own (pipe and log folders in fresh temp folders): processes
   given the environment it yields share the GPU at once instead of taking turns. It quits on
-  the way out; end its clients first (start_group, end_group)."""
+  the way out (or, should this process be killed, once it is gone); end its clients first
+  (start_group, end_group)."""
   env = {"CUDA_MPS_PIPE_DIRECTORY": tempfile.mkdtemp(prefix="mps-pipe-"),
          "CUDA_MPS_LOG_DIRECTORY": tempfile.mkdtemp(prefix="mps-log-")}
   full = {**os.environ, **env}
@@ -165,6 +185,9 @@ def mps_daemon():
     for d in env.values():
       shutil.rmtree(d, ignore_errors=True)
     raise
+  pipe, log = env["CUDA_MPS_PIPE_DIRECTORY"], env["CUDA_MPS_LOG_DIRECTORY"]
+  fallback = _cleanup_if_killed('echo quit | CUDA_MPS_PIPE_DIRECTORY="$1" '
+                                'nvidia-cuda-mps-control; rm -rf -- "$1" "$2"', pipe, log)
   try:
     yield env
   finally:
@@ -172,6 +195,7 @@ def mps_daemon():
                    timeout=60, capture_output=True)
     for d in env.values():
       shutil.rmtree(d, ignore_errors=True)
+    os.close(fallback)
 
 
 def start_group(commands, envs, **popen):
@@ -282,6 +306,9 @@ def run_job(commands, envs, timeout: float | None = None, echo: bool = False, **
 def _run_job(commands, envs, timeout, echo, **popen) -> JobResult:
   secret = secrets.token_hex(16)
   folder = tempfile.mkdtemp(prefix="jax_hoccl-launch-")
+  # the cleanup below, should this process be killed
+  fallback = _cleanup_if_killed('rm -f -- "/dev/shm/jax_hoccl-$1"*; rm -rf -- "$2"', secret,
+                                folder)
   log = os.path.join(folder, "failures")
   open(log, "w").close()
   envs = [{**env, SECRET_ENV: secret, FAILURE_LOG_ENV: log} for env in envs]
@@ -335,6 +362,7 @@ def _run_job(commands, envs, timeout, echo, **popen) -> JobResult:
       r.pump.join(timeout=5)
     removed = remove_job_shared_memory(secret)
     shutil.rmtree(folder, ignore_errors=True)
+    os.close(fallback)
   failure = None
   if failures:
     _, index, what, code = min(failures, key=lambda f: f[0])
