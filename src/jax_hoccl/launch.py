@@ -152,11 +152,12 @@ def local_address() -> str:
     return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def _cleanup_if_killed(script: str, *args: str) -> int:
-  """Starts `sh -c script` (args: $1...), which runs once the returned pipe end is closed: by
-  the caller when it has cleaned up itself (the script then finds nothing left to do), or by
-  the kernel when the caller dies, even of SIGKILL, which runs none of its own cleanup. Its
-  own session: Ctrl-C at the terminal does not reach it."""
+def _cleanup_if_killed(script: str, *args: str) -> int | None:
+  """Starts `sh -c script` (args: $1...), which runs once the returned pipe end is closed
+  (_close_fallback): by the caller when it has cleaned up itself (the script then finds
+  nothing left to do), or by the kernel when the caller dies, even of SIGKILL, which runs
+  none of its own cleanup. Its own session: Ctrl-C at the terminal does not reach it. None
+  where no shell could start (the fallback is best effort)."""
   read, write = os.pipe()
   try:
     subprocess.Popen(["sh", "-c", f"cat > /dev/null; {script}", "jax_hoccl-cleanup", *args],
@@ -164,10 +165,15 @@ def _cleanup_if_killed(script: str, *args: str) -> int:
                      start_new_session=True)
   except OSError:
     os.close(write)
-    raise
+    return None
   finally:
     os.close(read)
   return write
+
+
+def _close_fallback(fallback: int | None) -> None:
+  if fallback is not None:
+    os.close(fallback)
 
 
 @contextlib.contextmanager
@@ -195,7 +201,7 @@ def mps_daemon():
                    timeout=60, capture_output=True)
     for d in env.values():
       shutil.rmtree(d, ignore_errors=True)
-    os.close(fallback)
+    _close_fallback(fallback)
 
 
 def start_group(commands, envs, **popen):
@@ -362,7 +368,7 @@ def _run_job(commands, envs, timeout, echo, **popen) -> JobResult:
       r.pump.join(timeout=5)
     removed = remove_job_shared_memory(secret)
     shutil.rmtree(folder, ignore_errors=True)
-    os.close(fallback)
+    _close_fallback(fallback)
   failure = None
   if failures:
     _, index, what, code = min(failures, key=lambda f: f[0])
