@@ -149,6 +149,14 @@ size_t ZeroCopyFlagBytes(int group_size) {
 
 namespace {
 
+// `device` made this thread's current device.
+std::string MakeCurrent(int device) {
+  int current = -1;
+  HOCCL_CUDA_RETURN(cudaGetDevice(&current));
+  if (current != device) HOCCL_CUDA_RETURN(cudaSetDevice(device));
+  return "";
+}
+
 // The stream's device (made current for this thread) at a rank's first call.
 std::string StreamDevice(cudaStream_t stream, bool capturing, int* device) {
 #if CUDART_VERSION >= 12080
@@ -159,9 +167,7 @@ std::string StreamDevice(cudaStream_t stream, bool capturing, int* device) {
     return "";
   }
   HOCCL_CUDA_RETURN(cudaStreamGetDevice(stream, device));
-  int current = -1;
-  HOCCL_CUDA_RETURN(cudaGetDevice(&current));
-  if (current != *device) HOCCL_CUDA_RETURN(cudaSetDevice(*device));
+  return MakeCurrent(*device);
 #else
   (void)stream;
   (void)capturing;
@@ -182,11 +188,7 @@ std::string RankStateOn(Communicator& comm, const OpSpec& spec, cudaStream_t str
     // A rank of a group is one device: the one its first call found.
     *device = st.device;
     *out = &st;
-    if (*capturing) return "";  // as StreamDevice: the thread is on its device
-    int current = -1;
-    HOCCL_CUDA_RETURN(cudaGetDevice(&current));
-    if (current != st.device) HOCCL_CUDA_RETURN(cudaSetDevice(st.device));
-    return "";
+    return *capturing ? "" : MakeCurrent(st.device);  // (captured: as StreamDevice)
   }
   std::string err = StreamDevice(stream, *capturing, device);
   if (!err.empty()) return err;

@@ -16,12 +16,14 @@ in jax.distributed's shutdown, waiting for the peer it lost) and a summary names
 process, its exit code or signal and its last lines; the launcher exits with its code
 (128 + the signal for a signal, 1 for a group error from a process that did not exit).
 Whatever the job left in /dev/shm (names carrying the job's secret, which the launcher
-makes) is removed when it ends, however it ends. Should the launcher itself be killed (even by
-SIGKILL), a process that called initialize() dies with it, and a small shell process of the
-launcher's, in a session of its own, removes those files and ends the MPS daemon. The launcher stopped by SIGTERM or SIGHUP
-(a scheduler cancelling the job), or by Ctrl-C, passes the signal on to the processes, gives
-them 10 s to exit (time for a handler of theirs to save a checkpoint), kills what is left,
-ends its MPS daemon and removes those files, then exits with 128 + the signal.
+makes) is removed when it ends, however it ends.
+
+The launcher stopped by SIGTERM or SIGHUP (a scheduler cancelling the job), or by Ctrl-C,
+passes the signal on to the processes, gives them 10 s to exit (time for a handler of theirs
+to save a checkpoint), kills what is left, ends its MPS daemon and removes those files, then
+exits with 128 + the signal. Killed outright (SIGKILL), it can do none of that: a process
+that called initialize() dies with it, and a small shell process of the launcher's, in a
+session of its own, removes those files and ends the MPS daemon.
 """
 from __future__ import annotations
 
@@ -58,6 +60,11 @@ class Stopped(KeyboardInterrupt):
   def __init__(self, signum: int):
     super().__init__(f"stopped by {signal.Signals(signum).name}")
     self.signum = signum
+
+
+def _signal_of(interrupt: KeyboardInterrupt) -> int:
+  """The signal that stopped the launcher: Stopped's, else Ctrl-C's."""
+  return interrupt.signum if isinstance(interrupt, Stopped) else signal.SIGINT
 
 
 @contextlib.contextmanager
@@ -152,28 +159,26 @@ def local_address() -> str:
     return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def _cleanup_if_killed(script: str, *args: str) -> int | None:
-  """Starts `sh -c script` (args: $1...), which runs once the returned pipe end is closed
-  (_close_fallback): by the caller when it has cleaned up itself (the script then finds
-  nothing left to do), or by the kernel when the caller dies, even of SIGKILL, which runs
-  none of its own cleanup. Its own session: Ctrl-C at the terminal does not reach it. None
-  where no shell could start (the fallback is best effort)."""
+@contextlib.contextmanager
+def _cleanup_if_killed(script: str, *args: str):
+  """Starts `sh -c script` (args: $1...), which runs once the block is left (the block's own
+  cleanup done: the script then finds nothing left to do) or this process dies, even of
+  SIGKILL, which runs none of its cleanup: it waits on a pipe only this process holds open.
+  Its own session: Ctrl-C at the terminal does not reach it. Best effort: without a shell
+  the block runs without it."""
   read, write = os.pipe()
   try:
     subprocess.Popen(["sh", "-c", f"cat > /dev/null; {script}", "jax_hoccl-cleanup", *args],
                      stdin=read, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                      start_new_session=True)
   except OSError:
-    os.close(write)
-    return None
+    pass
   finally:
     os.close(read)
-  return write
-
-
-def _close_fallback(fallback: int | None) -> None:
-  if fallback is not None:
-    os.close(fallback)
+  try:
+    yield
+  finally:
+    os.close(write)
 
 
 @contextlib.contextmanager
@@ -192,16 +197,15 @@ def mps_daemon():
       shutil.rmtree(d, ignore_errors=True)
     raise
   pipe, log = env["CUDA_MPS_PIPE_DIRECTORY"], env["CUDA_MPS_LOG_DIRECTORY"]
-  fallback = _cleanup_if_killed('echo quit | CUDA_MPS_PIPE_DIRECTORY="$1" '
-                                'nvidia-cuda-mps-control; rm -rf -- "$1" "$2"', pipe, log)
-  try:
-    yield env
-  finally:
-    subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env=full,
-                   timeout=60, capture_output=True)
-    for d in env.values():
-      shutil.rmtree(d, ignore_errors=True)
-    _close_fallback(fallback)
+  with _cleanup_if_killed('echo quit | CUDA_MPS_PIPE_DIRECTORY="$1" nvidia-cuda-mps-control; '
+                          'rm -rf -- "$1" "$2"', pipe, log):
+    try:
+      yield env
+    finally:
+      subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env=full,
+                     timeout=60, capture_output=True)
+      for d in env.values():
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def start_group(commands, envs, **popen):
@@ -305,16 +309,15 @@ def run_job(commands, envs, timeout: float | None = None, echo: bool = False, **
   ended. timeout (seconds): the job is stopped then, and timed_out set. SIGTERM, SIGHUP or
   SIGINT is passed on to the processes, which are stopped _STOP_GRACE_S later at most; then
   Stopped (KeyboardInterrupt for SIGINT) is raised."""
-  with _stopped_by_signals():
-    return _run_job(commands, envs, timeout, echo, **popen)
-
-
-def _run_job(commands, envs, timeout, echo, **popen) -> JobResult:
   secret = secrets.token_hex(16)
   folder = tempfile.mkdtemp(prefix="jax_hoccl-launch-")
-  # the cleanup below, should this process be killed
-  fallback = _cleanup_if_killed('rm -f -- "/dev/shm/jax_hoccl-$1"*; rm -rf -- "$2"', secret,
-                                folder)
+  # _run_job's own cleanup of the files, should this process be killed
+  with _stopped_by_signals(), _cleanup_if_killed(
+      'rm -f -- "/dev/shm/jax_hoccl-$1"*; rm -rf -- "$2"', secret, folder):
+    return _run_job(commands, envs, timeout, echo, secret, folder, **popen)
+
+
+def _run_job(commands, envs, timeout, echo, secret, folder, **popen) -> JobResult:
   log = os.path.join(folder, "failures")
   open(log, "w").close()
   envs = [{**env, SECRET_ENV: secret, FAILURE_LOG_ENV: log} for env in envs]
@@ -360,7 +363,7 @@ def _run_job(commands, envs, timeout, echo, **popen) -> JobResult:
         timed_out = True
         break
   except KeyboardInterrupt as e:  # the processes get the signal first (to save a checkpoint)
-    _pass_on(e.signum if isinstance(e, Stopped) else signal.SIGINT, [r.proc for r in ranks])
+    _pass_on(_signal_of(e), [r.proc for r in ranks])
     raise
   finally:
     end_group([r.proc for r in ranks])
@@ -368,7 +371,6 @@ def _run_job(commands, envs, timeout, echo, **popen) -> JobResult:
       r.pump.join(timeout=5)
     removed = remove_job_shared_memory(secret)
     shutil.rmtree(folder, ignore_errors=True)
-    _close_fallback(fallback)
   failure = None
   if failures:
     _, index, what, code = min(failures, key=lambda f: f[0])
@@ -442,7 +444,7 @@ def main(argv=None) -> int:
                 file=sys.stderr)
       return _run(a, gpus, shared)
   except KeyboardInterrupt as e:  # Ctrl-C, or Stopped: the job is cleaned up by now
-    signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+    signum = _signal_of(e)
     print(f"jax_hoccl.launch: stopped by {signal.Signals(signum).name}; the processes were "
           "stopped.", file=sys.stderr)
     return 128 + signum
