@@ -10,7 +10,7 @@ a plain fusion's says what the protocol costs on the device.
 
 --sums: JAX_HOCCL_STAGED_SUM settings to run (psum summed by XLA, or inside the kernel);
 --ranks: the numbers of processes to run it with; --decode: decode's layers (matmul_psum at
-1 and 64 rows beside the GEMVs alone, per layer) instead of the chains.
+1, 8 and 64 rows beside the GEMVs alone, per layer) instead of the chains.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ WORKER = textwrap.dedent("""
             (np.random.default_rng(me).standard_normal((kd // n, kd)) / 90).astype(jnp.bfloat16))
         layers = {"matmul_psum": lambda v, w: jax_hoccl.matmul_psum(v, w, "x"),
                   "gemv": lambda v, w: v @ w}
-        for rows in (1, 64):
+        for rows in (1, 8, 64):
             x = jax.make_array_from_process_local_data(NamedSharding(mesh, P(None, "x")),
                                                        np.ones((rows, kd // n), jnp.bfloat16))
             for name, layer in layers.items():
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
   ap.add_argument("--ranks", default="2", help="numbers of processes, comma-separated")
   ap.add_argument("--decode", action="store_true",
                   help="decode's layers instead of the chains: L = 12 matmul_psum (K = N = "
-                       "8192, bf16, weights split by rows) at 1 and 64 rows, beside the GEMVs")
+                       "8192, bf16, weights split by rows) at 1, 8 and 64 rows, beside the GEMVs")
   a = ap.parse_args(argv)
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_HOCCL_NODE")}
   env.update(PJRT_NPROC="16", JAX_HOCCL_TIMEOUT_S="60",

@@ -579,6 +579,75 @@ CAPTURE_WORKER = PRELUDE + textwrap.dedent("""
     os._exit(0)
 """)
 
+# matmul_psum of decode's few rows: one kernel multiplies inside the packed exchange
+# (cc/cuda/staged/gemv_psum_kernel.h). Every result against numpy, the same bits on every rank,
+# slabs beyond the CTAs, ragged K, and a step of layers captured into CUDA graphs.
+GEMV_WORKER = PRELUDE + textwrap.dedent("""
+    import hashlib
+    def operands(seed, m, k, cols, dtype):
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((m, n * k)).astype(dtype)
+        w = (rng.standard_normal((n * k, cols)) / np.sqrt(n * k)).astype(dtype)
+        return x, w
+    def reference(x, w, k, dtype):
+        # each rank's product rounded to the type, added in float32 in rank order
+        parts = [(x[:, r * k:(r + 1) * k].astype(np.float64) @ w[r * k:(r + 1) * k].astype(np.float64)
+                  ).astype(dtype).astype(np.float32) for r in range(n)]
+        return sum(parts[1:], parts[0]).astype(np.float64)
+    cols_spec, rows_spec = P(None, "tp"), P("tp")
+    def place(x, w, k):
+        return (jax.make_array_from_process_local_data(NamedSharding(mesh, cols_spec), x[:, me * k:(me + 1) * k]),
+                jax.make_array_from_process_local_data(NamedSharding(mesh, rows_spec), w[me * k:(me + 1) * k]))
+    f = jax.jit(jax.shard_map(lambda a, b: jax_hoccl.matmul_psum(a, b, "tp"), mesh=mesh,
+                              in_specs=(cols_spec, rows_spec), out_specs=P()))
+    before = _hoccl.staged_packed_calls()
+    digests = []
+    for dtype in (jnp.bfloat16, np.float16):
+        for m, k, cols in ((1, 1024, 4096), (3, 1028, 192), (8, 1024, 4096), (1, 512, 16384)):
+            for seed in range(3):
+                x, w = operands(seed + 10 * m, m, k, cols, dtype)
+                xa, wa = place(x, w, k)
+                if seed == 0:
+                    text = f.lower(xa, wa).as_text()
+                    assert "hoccl_matmul_psum_staged" in text, text[:3000]
+                got = np.asarray(f(xa, wa).addressable_shards[0].data)
+                want = reference(x, w, k, dtype)
+                err = np.abs(got.astype(np.float64) - want).max() / max(1.0, np.abs(want).max())
+                assert got.dtype == np.dtype(dtype) and err < 2e-2, (np.dtype(dtype).name, m, k, cols, err)
+                digests.append(hashlib.sha1(got.tobytes()).hexdigest()[:12])
+            print(f"OK gemv {np.dtype(dtype).name} {m}x{k}x{cols}", flush=True)
+    assert _hoccl.staged_packed_calls() - before >= 24
+    print("DIGESTS " + " ".join(digests), flush=True)
+    # A decode step: L layers, each one's summed result sliced to the next one's columns.
+    L, m, k = 6, 4, 512
+    rng = np.random.default_rng(5)
+    ws = [(rng.standard_normal((n * k, n * k)) / np.sqrt(n * k)).astype(jnp.bfloat16) for _ in range(L)]
+    def step(h, *wl):
+        for wi in wl:
+            y = jax_hoccl.matmul_psum(h, wi, "tp")
+            h = jax.lax.dynamic_slice_in_dim(y, jax.lax.axis_index("tp") * k, k, 1)
+        return y
+    g = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(cols_spec,) + (rows_spec,) * L,
+                              out_specs=P(), check_vma=False))
+    x0 = rng.standard_normal((m, n * k)).astype(jnp.bfloat16)
+    want = x0
+    for wi in ws:
+        want = reference(want.astype(jnp.bfloat16), wi, k, jnp.bfloat16).astype(jnp.bfloat16)
+    args = [jax.make_array_from_process_local_data(NamedSharding(mesh, cols_spec), x0[:, me * k:(me + 1) * k])]
+    args += [jax.make_array_from_process_local_data(NamedSharding(mesh, rows_spec), wi[me * k:(me + 1) * k]) for wi in ws]
+    captured = _hoccl.staged_captured_calls()
+    ys = [g(*args) for _ in range(200)]
+    jax.block_until_ready(ys)
+    for y in (ys[0], ys[-1]):
+        got = np.asarray(y.addressable_shards[0].data).astype(np.float64)
+        err = np.abs(got - want.astype(np.float64)).max() / max(1.0, np.abs(want.astype(np.float64)).max())
+        assert err < 5e-2, err
+    print(f"OK decode step, {_hoccl.staged_captured_calls() - captured} calls recorded into graphs", flush=True)
+    print("GPU_MP_OK", flush=True)
+    os._exit(0)
+""")
+
+
 def _run(tmp_path, worker, timeout, env=None, n=2):
   """n processes sharing GPU 0, each with 0.6 / n of its memory (JAX_PLATFORMS dropped: they
   must see the GPU)."""
@@ -665,6 +734,21 @@ def test_staged_calls_inside_cuda_graphs(tmp_path, capture, mover):
     print(out[-1500:])
   for out in outs:
     assert "GPU_MP_OK" in out, out[-4000:]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_decode_gemv_inside_the_packed_exchange(tmp_path, n):
+  """matmul_psum of 1..8 rows (bf16, f16) as one kernel under MPS: right against numpy, the
+  same bits on every rank, and a step of layers captured into XLA's CUDA graphs."""
+  env = {"JAX_HOCCL_TIMEOUT_S": "60", "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"}
+  with mps_daemon() as mps:
+    outs = _run(tmp_path, GEMV_WORKER, timeout=300, env={**env, **mps}, n=n)
+  for out in outs:
+    print(out[-1500:])
+  for out in outs:
+    assert "GPU_MP_OK" in out, out[-4000:]
+  digests = {out.split("DIGESTS ")[1].split("\n")[0] for out in outs}
+  assert len(digests) == 1, digests  # every rank holds the same bits
 
 
 @pytest.mark.parametrize("n", [2, 4])

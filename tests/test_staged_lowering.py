@@ -132,3 +132,38 @@ def test_summed_calls_are_named_for_the_op_the_user_called(monkeypatch):
   calls = re.findall(r'(?:custom_call @|call_target_name = ")(hoccl\w+).*?site = (\d+)', text)
   assert [t for t, _ in calls] == ["hoccl_psum_staged", "hoccl_psum_scatter_staged"], text
   assert [names.get(int(s)) for _, s in calls] == ["psum", "psum_scatter"], (calls, names)
+
+
+def _matmul_psum_targets(m, k, cols, dtype=jnp.bfloat16, n=2):
+  """The jax_hoccl custom calls of matmul_psum over n devices: x [m, n k] split by columns, w
+  [n k, cols] by rows."""
+  mesh = jax.make_mesh((n,), ("tp",), devices=CPUS[:n])
+  f = jax.jit(jax.shard_map(lambda a, b: jax_hoccl.matmul_psum(a, b, "tp"), mesh=mesh,
+                            in_specs=(P(None, "tp"), P("tp")), out_specs=P(), check_vma=True))
+  x = jax.ShapeDtypeStruct((m, n * k), dtype, sharding=NamedSharding(mesh, P(None, "tp")))
+  w = jax.ShapeDtypeStruct((n * k, cols), dtype, sharding=NamedSharding(mesh, P("tp")))
+  text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+  return [a or b for a, b in re.findall(r'custom_call @(hoccl\w+)|call_target_name = "(hoccl\w+)"',
+                                        text)]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_decode_gemv_multiplies_inside_the_packed_exchange(dtype, n, monkeypatch):
+  """matmul_psum of 1..8 rows, bf16 or f16, K % 4 == 0, N % 64 == 0, whose block fits the
+  packed exchange: one custom call, the GEMV inside the staged psum's kernel
+  (cc/cuda/staged/gemv_psum_kernel.h). Any other case: XLA's dot, then the staged psum."""
+  gemv = ["hoccl_matmul_psum_staged"]
+  for m in (1, 3, 8):
+    assert _matmul_psum_targets(m, 256, 512, dtype, n) == gemv
+  assert _matmul_psum_targets(2, 256, 512, jnp.float32, n) == ["hoccl_psum_staged"]  # f32
+  assert _matmul_psum_targets(9, 256, 512, dtype, n) == ["hoccl_psum_staged"]  # 9 rows
+  assert _matmul_psum_targets(2, 254, 512, dtype, n) == ["hoccl_psum_staged"]  # K % 4
+  assert _matmul_psum_targets(2, 256, 480, dtype, n) == ["hoccl_psum_staged"]  # N % 64
+  # a block over the packed crossover (8 x 16384 x 2 bytes = 256 KiB > 128 KiB)
+  assert _matmul_psum_targets(8, 256, 16384, dtype, n) == ["hoccl_psum_staged"]
+  monkeypatch.setenv("JAX_HOCCL_STAGED_PACKED_BYTES", "1024")
+  assert _matmul_psum_targets(1, 256, 512, dtype, n) == gemv  # 1 KiB: still packed
+  assert _matmul_psum_targets(2, 256, 512, dtype, n) == ["hoccl_psum_staged"]
+  monkeypatch.setenv("JAX_HOCCL_STAGED_SUM", "0")  # no sum inside the exchange at all
+  assert _matmul_psum_targets(1, 256, 512, dtype, n) == ["hoccl_all_gather_staged"]

@@ -237,7 +237,8 @@ std::string EnqueueMultiStream(const CallContext& c, DeviceResources& res) {
 }  // namespace
 
 ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream, const void* input,
-                     void* output, int lane, const OpLabel& label, const Announce* announce) {
+                     void* output, int lane, const OpLabel& label, const Announce* announce,
+                     const GemvOperands* gemv) {
   std::string err = comm.Broken();
   if (!err.empty()) return {ErrorKind::kDeadline, err};
   err = ValidateSpec(spec);
@@ -269,7 +270,7 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   // always do.
   if (!announce && (lane == 0 || StagedKernelServes(spec.group_size)) && st.progress &&
       StagedEligible(spec))
-    return RunStaged(comm, st, spec, stream, capturing, input, output, lane, label);
+    return RunStaged(comm, st, spec, stream, capturing, input, output, lane, label, gemv);
   const std::string op_name = label.Name();
   const char* op = op_name.c_str();
   if (spec.sum != SumType::kNone)  // the lowering picks summed targets for staged blocks only

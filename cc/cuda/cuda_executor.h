@@ -35,6 +35,8 @@
 
 namespace hoccl {
 
+struct GemvOperands;  // cuda/staged/gemv_psum_kernel.h
+
 // A per-peer block of at least this many bytes forks the copies onto side streams (copies of
 // different channels then run on different copy engines); smaller ones run entirely on XLA's
 // stream, avoiding the fork/join events. Env JAX_HOCCL_MULTISTREAM_MIN_BYTES overrides.
@@ -84,10 +86,12 @@ struct Announce {
 // Enqueues `spec` for spec.rank on `stream` (XLA's stream of the current device, lane 0, or
 // an async start's stream, its lane). Returns once everything is enqueued; on the zero-copy
 // path the host rendezvous with every involved peer has happened by then. `label` names the
-// user's op in errors (e.g. "psum (all_gather)").
+// user's op in errors (e.g. "psum (all_gather)"). `gemv`: a summed all_gather whose block is
+// the product of matmul_psum's GEMV, multiplied in the staged path's packed exchange
+// (cuda/staged/gemv_psum_kernel.h); `input` is unused.
 ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream, const void* input,
                      void* output, int lane, const OpLabel& label,
-                     const Announce* announce = nullptr);
+                     const Announce* announce = nullptr, const GemvOperands* gemv = nullptr);
 
 }  // namespace hoccl
 

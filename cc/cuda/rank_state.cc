@@ -7,6 +7,7 @@
 
 #include "cuda/cuda_util.h"
 #include "cuda/driver_api.h"
+#include "cuda/staged/gemv_psum_kernel.h"
 #include "cuda/staged/staged_layout.h"
 #include "cuda/transport/transport_direct.h"
 #include "cuda/transport/transport_ipc.h"
@@ -109,6 +110,7 @@ std::string SetupRank(RankState& st, Communicator& comm, const OpSpec& spec, int
   if (err.empty() && StagedRegionBytes(n)) {
     cudaError_t e = LoadExchangeKernel();
     if (e == cudaSuccess) e = LoadPackedKernel();
+    if (e == cudaSuccess) e = LoadGemvPsumKernel();
     if (e != cudaSuccess) err = CudaError("loading the staged exchange kernels", e);
   }
   // Publish even on failure (as null) so peers fail fast instead of timing out.

@@ -57,6 +57,8 @@ XLA_FFI_Error* kDoneCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kAnnouncedGatherStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kGemmRingStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kRowsMatmulCuda(XLA_FFI_CallFrame* call_frame);
+// matmul_psum's GEMV and its staged psum, one kernel (command-buffer compatible)
+XLA_FFI_Error* kMatmulPsumStagedCuda(XLA_FFI_CallFrame* call_frame);
 #endif
 }
 

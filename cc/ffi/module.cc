@@ -76,6 +76,8 @@ nb::dict Registrations() {
   // CUDA only: psum and psum_scatter of staged blocks, summed by the exchange kernel.
   add("hoccl_psum_staged", nb::none(), HOCCL_CUDA(kPsumStagedCuda));
   add("hoccl_psum_scatter_staged", nb::none(), HOCCL_CUDA(kPsumScatterStagedCuda));
+  // CUDA only: matmul_psum's GEMV, multiplied inside the staged psum's packed exchange.
+  add("hoccl_matmul_psum_staged", nb::none(), HOCCL_CUDA(kMatmulPsumStagedCuda));
   // Async pairs.
   add("hoccl_all_gather_start", CpuStaged(hoccl::kAllGatherStartCpu),
       HOCCL_CUDA(kAllGatherStartCuda));

@@ -1,6 +1,7 @@
 #include "cuda/staged/packed_kernel.h"
 
 #include "cuda/staged/kernel_common.cuh"
+#include "cuda/staged/packed_lines.cuh"
 #include "plan.h"
 
 namespace hoccl {
@@ -13,11 +14,6 @@ using namespace staged_device;
 constexpr int kLines = 4;
 constexpr size_t kChunkLines = kPackedChunkBytes / 8;
 static_assert(kChunkLines == kLines * kThreads, "a CTA's chunk is its threads' lines");
-
-__device__ __forceinline__ char* PackedSlot(const StagedKernelLayout& l, int owner, int n, int set,
-                                            int sender) {
-  return l.base[owner] + l.packed + (static_cast<size_t>(set) * n + sender) * l.packed_slot_bytes;
-}
 
 // Bytes [off, off + 8) of a block of `bytes` (zero past its end).
 __device__ __forceinline__ uint2 LoadData(const char* block, size_t off, size_t bytes) {
@@ -40,22 +36,6 @@ __device__ __forceinline__ void StoreData(char* block, size_t off, size_t bytes,
   for (int b = 0; b < 8 && off + b < bytes; ++b) p[b] = static_cast<char>(v >> (8 * b));
 }
 
-// One store per line: each 8-byte half (data, flag) lands whole, as a reader sees it.
-__device__ __forceinline__ void StoreLine(char* line, uint2 d, uint32_t flag) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(line), "r"(d.x), "r"(flag),
-               "r"(d.y), "r"(flag)
-               : "memory");
-}
-
-__device__ __forceinline__ uint4 LoadLine(const char* line) {
-  uint4 v;
-  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(line)
-               : "memory");
-  return v;
-}
-
 // A thread's lines of a block: line first + j * kThreads for j < count.
 struct Lines {
   size_t first;
@@ -75,13 +55,9 @@ __device__ bool ReadLines(const char* slot, Lines my, uint32_t flag, int sender,
     for (int j = 0; j < kLines; ++j) {
       if (!((pending >> j) & 1)) continue;
       const uint4 v = LoadLine(slot + 16 * my.At(j));
-      if (v.y == flag && v.w == flag) {
+      if (LineArrived(v, flag, &seen)) {
         data[j] = make_uint2(v.x, v.z);
         pending &= ~(1u << j);
-      } else if (v.y && v.y != flag) {  // a peer at another call (zero: not yet written)
-        seen = v.y;
-      } else if (v.w && v.w != flag) {
-        seen = v.w;
       }
     }
     if (pending && spins % kSpinsPerBrokenCheck == kSpinsPerBrokenCheck - 1 &&

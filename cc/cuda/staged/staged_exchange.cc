@@ -11,6 +11,7 @@
 #include "cuda/cuda_util.h"
 #include "cuda/driver_api.h"
 #include "cuda/staged/exchange_kernel.h"
+#include "cuda/staged/gemv_psum_kernel.h"
 #include "cuda/staged/packed_kernel.h"
 #include "cuda/staged/staged_layout.h"
 #include "cuda/staged/watchdog.h"
@@ -74,6 +75,7 @@ struct Call {
   int set, source, captured, lane;
   uint64_t call;
   int tag;
+  const GemvOperands* gemv;
 };
 
 // The exchange as one kernel (exchange_kernel.h).
@@ -89,6 +91,10 @@ std::string KernelExchange(const RankState& st, const Call& c) {
            : spec.op == OpKind::kAllToAll ? StagedKind::kAllToAll
                                           : StagedKind::kGather;
   const bool packed = PackedServes(a.kind, c.block, PackedSlotBytes());
+  if (c.gemv && !packed)
+    return "matmul_psum's GEMV needs its block of " + std::to_string(c.block) +
+           " bytes to take the packed exchange (JAX_HOCCL_STAGED_PACKED_BYTES, " +
+           std::to_string(PackedSlotBytes()) + " here, differs from the lowering's?)";
   const int ctas = packed ? PackedCtas(c.block, &a.chunk) : ExchangeCtas(c.block, &a.chunk);
   if (packed) g_packed_calls.fetch_add(1);
   a.n = n;
@@ -109,8 +115,9 @@ std::string KernelExchange(const RankState& st, const Call& c) {
   a.host = st.host_words_device;
   a.layout = st.kernel_layout;
   HostTimer launch("api: exchange kernel");
-  cudaError_t e =
-      packed ? LaunchPackedKernel(a, ctas, c.stream) : LaunchExchangeKernel(a, ctas, c.stream);
+  cudaError_t e = c.gemv   ? LaunchGemvPsumKernel(a, *c.gemv, st.device, c.stream)
+                  : packed ? LaunchPackedKernel(a, ctas, c.stream)
+                           : LaunchExchangeKernel(a, ctas, c.stream);
   return e == cudaSuccess ? "" : CudaError("the exchange kernel's launch", e);
 }
 
@@ -205,8 +212,8 @@ std::string DescribeStagedFlag(uint64_t value) {
 }
 
 ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cudaStream_t stream,
-                     bool captured, const void* input, void* output, int lane,
-                     const OpLabel& label) {
+                     bool captured, const void* input, void* output, int lane, const OpLabel& label,
+                     const GemvOperands* gemv) {
   HostTimer timer("staged");
   const int n = spec.group_size, r = spec.rank;
   const size_t block = BlockBytes(spec);
@@ -218,7 +225,7 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
   if (captured && lane != 0)
     return {ErrorKind::kInternal, "jax_hoccl " + label.Name() +
                                       ": only calls on XLA's stream are captured into CUDA graphs"};
-  if (spec.sum != SumType::kNone && !StagedKernelServes(n))
+  if ((spec.sum != SumType::kNone || gemv) && !StagedKernelServes(n))
     return {ErrorKind::kInvalidArgument,
             "jax_hoccl " + label.Name() + ": a sum inside the exchange needs the exchange " +
                 "kernel (groups of at most " + std::to_string(kKernelMaxRanks) +
@@ -265,7 +272,8 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
                captured,
                lane,
                call,
-               tag};
+               tag,
+               gemv};
   const std::string err = StagedKernelServes(n) ? KernelExchange(st, c) : CopyCallExchange(st, c);
   if (captured) {
     g_captured_calls.fetch_add(1);

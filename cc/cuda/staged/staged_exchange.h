@@ -15,6 +15,7 @@
 #include "communicator.h"
 #include "cuda/cuda_executor.h"
 #include "cuda/rank_state.h"
+#include "cuda/staged/gemv_psum_kernel.h"
 #include "plan.h"
 
 namespace hoccl {
@@ -43,10 +44,12 @@ uint64_t StagedCapturedCalls();
 uint64_t StagedPackedCalls();
 
 // Enqueues spec.rank's part on `stream` (lane `lane`; `captured`: the stream is being recorded
-// into a CUDA graph); `label` is the user's op for messages.
+// into a CUDA graph); `label` is the user's op for messages. With `gemv` (a summed all_gather:
+// matmul_psum's GEMV), `input` is unused: the block is gemv's product, multiplied inside the
+// packed exchange (gemv_psum_kernel.h), which the block must take.
 ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cudaStream_t stream,
-                     bool captured, const void* input, void* output, int lane,
-                     const OpLabel& label);
+                     bool captured, const void* input, void* output, int lane, const OpLabel& label,
+                     const GemvOperands* gemv = nullptr);
 
 }  // namespace hoccl
 

@@ -93,6 +93,25 @@ def ffi_lower(target: str, op: str, ctx, *args, lowering_args=None, side_effect=
 DEFAULT_STAGED_BYTES = 1 << 20
 
 
+def staged_limit() -> int:
+  """The staged crossover: blocks of at most this many bytes take the staged path
+  (JAX_HOCCL_STAGED_BYTES; cc/cuda/staged/staged_layout.h: StagedSlotBytes)."""
+  raw = os.environ.get("JAX_HOCCL_STAGED_BYTES", "")
+  return -(-(int(raw) if raw else DEFAULT_STAGED_BYTES) // 256) * 256  # slots: 256-byte units
+
+
+DEFAULT_PACKED_BYTES = 128 << 10
+PACKED_MAX_BYTES = 1 << 23
+
+
+def packed_limit() -> int:
+  """The packed crossover: blocks of at most this many bytes take the packed exchange
+  (JAX_HOCCL_STAGED_PACKED_BYTES; cc/cuda/staged/staged_layout.h: PackedSlotBytes)."""
+  raw = os.environ.get("JAX_HOCCL_STAGED_PACKED_BYTES", "")
+  packed = -(-(int(raw) if raw else DEFAULT_PACKED_BYTES) // 16) * 16
+  return min(packed, staged_limit(), PACKED_MAX_BYTES)
+
+
 def mover_target(target: str, ctx, attrs: dict, parts: int = 1) -> str:
   """The custom call of a mover (hoccl_all_gather, hoccl_all_to_all, hoccl_ppermute) on CUDA:
   its command-buffer compatible twin `<target>_staged` when the block (what one rank sends one
@@ -101,8 +120,7 @@ def mover_target(target: str, ctx, attrs: dict, parts: int = 1) -> str:
   StagedEligible), which decides the path at run time."""
   if tuple(ctx.module_context.platforms) != ("cuda",):
     return target
-  raw = os.environ.get("JAX_HOCCL_STAGED_BYTES", "")
-  limit = -(-(int(raw) if raw else DEFAULT_STAGED_BYTES) // 256) * 256  # slots: 256-byte units
+  limit = staged_limit()
   aval = ctx.avals_in[0]
   try:
     block = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize // parts

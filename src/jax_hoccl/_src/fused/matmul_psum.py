@@ -8,8 +8,9 @@ an array of its own, gathered into the output by `all_gather_into_start`.)
 
 Rows are laid out so that a piece's all-gather is contiguous in the output: piece p of rank
 b's block is rows [n * O_p + b * r_p, n * O_p + (b + 1) * r_p), O_p being the rows of the
-pieces before p. GEMV shapes (decode: M = 1..64) have nothing to overlap: one synchronous
-one-shot psum. On Hopper GPUs (bf16/f16, shapes that tile, chunks=None) it is one flagged
+pieces before p. GEMV shapes (decode: M = 1..64) have no pieces to pipeline: one synchronous
+one-shot psum, which on CUDA for a few rows multiplies inside its own exchange
+(gemv_psum.py). On Hopper GPUs (bf16/f16, shapes that tile, chunks=None) it is one flagged
 GEMM walking the ring, each summed band all-gathered as it is stored
 (flagged/reduce_scatter_walk.py).
 """
@@ -26,16 +27,12 @@ from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.cotangents import cotangent_like
 from jax_hoccl._src.fused.flagged import reduce_scatter_walk
+from jax_hoccl._src.fused.gemv_psum import gemv_psum
 from jax_hoccl._src.fused.row_pieces import exchanges, ring
 from jax_hoccl._src.fused.row_pieces.batch_as_rows import batch_as_rows
 from jax_hoccl._src.fused.row_pieces.rows_matmul import runs_on_cublaslt
 from jax_hoccl._src.ops import common
-from jax_hoccl._src.ops.psum import psum, psum_algorithm
-
-
-def _one_shot_psum(x, w, axes):
-  with psum_algorithm("one_shot"):
-    return psum(x @ w, axes)
+from jax_hoccl._src.ops.psum import psum
 
 
 def multiply_and_sum(x, w, axes, n, chunks):
@@ -43,7 +40,7 @@ def multiply_and_sum(x, w, axes, n, chunks):
   if n == 1:
     return x @ w
   if chunks == 1 or m % n:
-    return _one_shot_psum(x, w, axes)
+    return gemv_psum(x, w, axes, n)
   x2 = x.reshape(-1, x.shape[-1])
   if chunks is None and reduce_scatter_walk.applies(x2, w, n, "matmul_psum"):  # one flagged GEMM
     return reduce_scatter_walk.gemm_psum(x2, w, axes, n).reshape(*x.shape[:-1], w.shape[1])
@@ -51,7 +48,7 @@ def multiply_and_sum(x, w, axes, n, chunks):
   row_bytes = inner * w.shape[1] * x.dtype.itemsize
   pieces = ring.row_pieces(m // n, row_bytes, chunks, "matmul_psum")
   if chunks is None and len(pieces) == 1:
-    return _one_shot_psum(x, w, axes)
+    return gemv_psum(x, w, axes, n)
   starts = np.concatenate([[0], np.cumsum(pieces)[:-1]]) * n
   last = len(pieces) - 1
   # Where the GEMMs are our cuBLASLt calls, each writes its summed piece straight into its

@@ -1,0 +1,60 @@
+// hoccl_matmul_psum_staged on CUDA: out [M, N] = psum(x [M, K] @ w [K, N]) for a GEMV's few
+// rows (fused/matmul_psum.py: decode), in one kernel that multiplies and is the staged psum's
+// packed exchange (cuda/staged/gemv_psum_kernel.h). The same device work at every call, so XLA
+// may capture it into its CUDA graphs; the lowering picks this target only where the block
+// takes the packed exchange (fused/gemv_psum.py).
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/async_streams.h"
+#include "cuda/cuda_executor.h"
+#include "cuda/staged/gemv_psum_kernel.h"
+#include "ffi/handler_common.h"
+#include "ffi/handlers.h"
+#include "group.h"
+#include "host_profile.h"
+#include "job.h"
+#include "plan.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace hoccl {
+
+static ffi::Error MatmulPsumStagedCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                       ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                                       Group group) {
+  HostTimer timer("collective");
+  auto options = SumOf(x.element_type(), "matmul_psum");
+  if (options.has_error()) return options.error();
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || w.element_type() != x.element_type() ||
+      out->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument(
+        "jax_hoccl matmul_psum: the GEMV takes x [M, K] and w [K, N] of one type");
+  const GemvOperands g{x.untyped_data(),        w.untyped_data(),        static_cast<int>(xd[0]),
+                       static_cast<int>(xd[1]), static_cast<int>(wd[1]), options->sum};
+  if (const char* refused = GemvPsumRefuses(g))
+    return ffi::Error::InvalidArgument(std::string("jax_hoccl matmul_psum: ") + refused);
+  auto found = FindCudaGroup(OpKind::kAllGather, group, device);
+  if (found.has_error()) return found.error();
+  const size_t block = static_cast<size_t>(g.m) * g.n * ffi::ByteWidth(x.element_type());
+  OpSpec spec;
+  ffi::Error made = MakeSpec(OpKind::kAllGather, (*found)->rank, group, block, out->size_bytes(),
+                             *options, &spec);
+  if (!made.success()) return made;
+  ExecStatus st = RunOnCuda(*(*found)->comm, spec, stream, nullptr, out->untyped_data(), 0,
+                            OpLabel{group.site, "gemv"}, nullptr, &g);
+  if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kMatmulPsumStagedCuda, MatmulPsumStagedCuda,
+    CudaContext().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<Group>(
+        "group"),
+    {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace hoccl
