@@ -10,7 +10,8 @@ a plain fusion's says what the protocol costs on the device.
 
 --sums: JAX_HOCCL_STAGED_SUM settings to run (psum summed by XLA, or inside the kernel);
 --ranks: the numbers of processes to run it with; --decode: decode's layers (matmul_psum at
-1, 8 and 64 rows beside the GEMVs alone, per layer) instead of the chains.
+1, 8 and 64 rows beside the GEMVs alone, per layer) instead of the chains. Other JAX_HOCCL_*
+variables pass through (JAX_HOCCL_GEMV_PSUM=1: decode's GEMV inside the psum's exchange).
 """
 from __future__ import annotations
 

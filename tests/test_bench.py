@@ -187,8 +187,9 @@ def test_processes_on_a_gpu_warm_each_mps_daemon_up_first(monkeypatch, tmp_path)
 
 def test_steps_on_a_gpu_time_both_sums_with_command_buffers_on_and_off(monkeypatch, tmp_path):
   """bench --steps on a GPU: the staged sums by XLA and inside the exchange kernel, each with
-  command buffers on and off (on: with the packed exchange off too), for 2 and 4 ranks, and the
-  staged floor measured for each."""
+  command buffers on and off (on: with the packed exchange off too), and decode's GEMV inside
+  the exchange (graphs on, sums in the kernel, packed), for 2 and 4 ranks, and the staged floor
+  measured for each."""
   import contextlib
   from jax_hoccl.bench import steps
   monkeypatch.setattr(steps.glob, "glob", lambda pattern: ["/dev/nvidia0"])
@@ -202,11 +203,13 @@ def test_steps_on_a_gpu_time_both_sums_with_command_buffers_on_and_off(monkeypat
   assert floors == [(2, (65536, 131072)), (4, (65536, 131072))]
   for n in (2, 4):
     mine = [env for m, env in envs if m == n]
-    assert len(mine) == 6, mine
+    assert len(mine) == 7, mine
     settings = {(e["JAX_HOCCL_STAGED_SUM"], "--xla_gpu_enable_command_buffer=" in e["XLA_FLAGS"],
-                 e.get("JAX_HOCCL_STAGED_PACKED_BYTES") != "0") for e in mine}
-    assert settings == {(s, off, packed) for s in ("0", "1") for off in (False, True)
-                        for packed in (True, False) if packed or not off}, settings
+                 e.get("JAX_HOCCL_STAGED_PACKED_BYTES") != "0", e["JAX_HOCCL_GEMV_PSUM"])
+                for e in mine}
+    assert settings == {(s, off, packed, "0") for s in ("0", "1") for off in (False, True)
+                        for packed in (True, False) if packed or not off} | {
+                            ("1", False, True, "1")}, settings
 
 
 def test_steps_go_on_without_a_floor_that_cannot_be_measured(monkeypatch, tmp_path, capsys):
@@ -225,7 +228,7 @@ def test_steps_go_on_without_a_floor_that_cannot_be_measured(monkeypatch, tmp_pa
 
   monkeypatch.setattr(steps.staged_floor, "floors", fails)
   result = json.load(open(steps.run(str(tmp_path), "test")))
-  assert jobs == [2] * 6 + [4] * 6
+  assert jobs == [2] * 7 + [4] * 7
   assert capsys.readouterr().out.count("no staged floor") == 2
   assert result["device_latency"] and all(r["floor_us"] is None for r in result["device_latency"])
 

@@ -740,7 +740,8 @@ def test_staged_calls_inside_cuda_graphs(tmp_path, capture, mover):
 def test_decode_gemv_inside_the_packed_exchange(tmp_path, n):
   """matmul_psum of 1..8 rows (bf16, f16) as one kernel under MPS: right against numpy, the
   same bits on every rank, and a step of layers captured into XLA's CUDA graphs."""
-  env = {"JAX_HOCCL_TIMEOUT_S": "60", "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"}
+  env = {"JAX_HOCCL_TIMEOUT_S": "60", "XLA_FLAGS": "--xla_gpu_shard_autotuning=false",
+         "JAX_HOCCL_GEMV_PSUM": "1"}
   with mps_daemon() as mps:
     outs = _run(tmp_path, GEMV_WORKER, timeout=300, env={**env, **mps}, n=n)
   for out in outs:

@@ -150,10 +150,13 @@ def _matmul_psum_targets(m, k, cols, dtype=jnp.bfloat16, n=2):
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_decode_gemv_multiplies_inside_the_packed_exchange(dtype, n, monkeypatch):
-  """matmul_psum of 1..8 rows, bf16 or f16, K % 4 == 0, N % 64 == 0, whose block fits the
-  packed exchange: one custom call, the GEMV inside the staged psum's kernel
-  (cc/cuda/staged/gemv_psum_kernel.h). Any other case: XLA's dot, then the staged psum."""
+  """With JAX_HOCCL_GEMV_PSUM=1, matmul_psum of 1..8 rows, bf16 or f16, K % 4 == 0,
+  N % 64 == 0, whose block fits the packed exchange: one custom call, the GEMV inside the
+  staged psum's kernel (cc/cuda/staged/gemv_psum_kernel.h). Any other case, and by default:
+  XLA's dot, then the staged psum."""
   gemv = ["hoccl_matmul_psum_staged"]
+  assert _matmul_psum_targets(1, 256, 512, dtype, n) == ["hoccl_psum_staged"]  # off by default
+  monkeypatch.setenv("JAX_HOCCL_GEMV_PSUM", "1")
   for m in (1, 3, 8):
     assert _matmul_psum_targets(m, 256, 512, dtype, n) == gemv
   assert _matmul_psum_targets(2, 256, 512, jnp.float32, n) == ["hoccl_psum_staged"]  # f32

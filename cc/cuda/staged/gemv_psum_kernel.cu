@@ -21,24 +21,35 @@ constexpr int kColsPerThread = 8;
 constexpr int kColGroups = kGemvSlabCols / kColsPerThread;
 constexpr int kRowLanes = kThreads / kColGroups;
 constexpr int kWarps = kThreads / 32;
-// Rows a thread loads at a time (x's 4 elements of them in one 8-byte load), and how many
-// such loads it keeps in flight: 16 loads of 16 bytes, so a CTA alone keeps the SM's share
-// of the memory busy.
-constexpr int kRowsPerLoad = 4;
-constexpr int kLoadsInFlight = 4;
-constexpr int kStepRows = kRowLanes * kRowsPerLoad * kLoadsInFlight;
+// A tile: the rows of a slab that the CTA multiplies at a time, each thread a run of 4
+// consecutive rows (x's 4 elements of them in one 8-byte load). A thread copies its tile's
+// 16-byte pieces of w into its own part of a ring of tiles in shared memory (cp.async),
+// kStages - 1 tiles ahead of the one it multiplies, so the memory is kept busy while it
+// computes; no thread reads another's pieces, so the ring needs no barrier. Two CTAs fit an
+// SM (one alone cannot draw its share of the memory's bandwidth).
+constexpr int kRun = 4;
+constexpr int kRunsPerTile = 1;
+constexpr int kPiecesPerTile = kRun * kRunsPerTile;
+constexpr int kTileRows = kRowLanes * kPiecesPerTile;
+constexpr int kStages = 4;
+constexpr size_t kRingBytes = size_t{kStages} * kPiecesPerTile * kThreads * 16;
 // A slab's row of 16-bit elements is this many lines (8 data bytes each).
 constexpr int kLinesPerRow = kGemvSlabCols * 2 / 8;
 static_assert(kRowLanes * kColGroups == kThreads && kRowLanes % 4 == 0,
               "a warp holds whole column groups of 4 row lanes (the shuffles below)");
 
-// w is read once: past L1.
-__device__ __forceinline__ uint4 LoadOnce(const void* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
+// 16 bytes from global memory into shared memory, asynchronously (zeros where `bytes` is 0).
+__device__ __forceinline__ void CopyPiece(uint4* dst, const void* src, int bytes) {
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void CommitPieces() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void WaitPieces() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
 // Two 16-bit elements (the low one first) as floats, and back.
@@ -61,54 +72,44 @@ __device__ __forceinline__ uint32_t Pack(float lo, float hi) {
          static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&b)) << 16;
 }
 
-// acc[m][c] = this thread's rows of x[m] . w[:, col + c] (float32).
+// The rows of w a thread takes in tile `tile` of its slab: runs of kRun from this row.
+__device__ __forceinline__ int RunRow(int tile, int run, int lane) {
+  return tile * kTileRows + (run * kRowLanes + lane) * kRun;
+}
+
+// acc[m][c] += x[m] . w[:, col + c] over this thread's rows of the tile whose pieces are `ring`
+// (k % 4 == 0: a run is all in or all out).
 template <typename T, int M>
-__device__ __forceinline__ void MultiplySlab(const GemvOperands& g, size_t col,
+__device__ __forceinline__ void MultiplyTile(const GemvOperands& g, int tile, const uint4* ring,
                                              float (&acc)[M][kColsPerThread]) {
   const int lane = threadIdx.x / kColGroups;
   const T* x = static_cast<const T*>(g.x);
-  const T* w = static_cast<const T*>(g.w) + col;
-  const int k = g.k;
 #pragma unroll
-  for (int m = 0; m < M; ++m)
+  for (int run = 0; run < kRunsPerTile; ++run) {
+    const int row0 = RunRow(tile, run, lane);
+    if (row0 >= g.k) break;
+    float xs[M][kRun];
 #pragma unroll
-    for (int c = 0; c < kColsPerThread; ++c) acc[m][c] = 0.f;
-  for (int base = 0; base < k; base += kStepRows) {
-    uint4 wv[kLoadsInFlight][kRowsPerLoad];
-#pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u) {
-      const int row0 = base + (u * kRowLanes + lane) * kRowsPerLoad;  // k % 4 == 0: all 4 in
-#pragma unroll
-      for (int j = 0; j < kRowsPerLoad; ++j)
-        wv[u][j] =
-            row0 < k ? LoadOnce(w + static_cast<size_t>(row0 + j) * g.n) : make_uint4(0, 0, 0, 0);
+    for (int m = 0; m < M; ++m) {
+      const uint2 v =
+          __ldg(reinterpret_cast<const uint2*>(x + static_cast<size_t>(m) * g.k + row0));
+      const float2 a = Unpack<T>(v.x), b = Unpack<T>(v.y);
+      xs[m][0] = a.x;
+      xs[m][1] = a.y;
+      xs[m][2] = b.x;
+      xs[m][3] = b.y;
     }
 #pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u) {
-      const int row0 = base + (u * kRowLanes + lane) * kRowsPerLoad;
-      if (row0 >= k) break;
-      float xs[M][kRowsPerLoad];
+    for (int j = 0; j < kRun; ++j) {
+      const uint4 p = ring[(run * kRun + j) * kThreads];
+      const uint32_t words[4] = {p.x, p.y, p.z, p.w};
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const uint2 v =
-            __ldg(reinterpret_cast<const uint2*>(x + static_cast<size_t>(m) * k + row0));
-        const float2 a = Unpack<T>(v.x), b = Unpack<T>(v.y);
-        xs[m][0] = a.x;
-        xs[m][1] = a.y;
-        xs[m][2] = b.x;
-        xs[m][3] = b.y;
-      }
+      for (int h = 0; h < 4; ++h) {
+        const float2 wf = Unpack<T>(words[h]);
 #pragma unroll
-      for (int j = 0; j < kRowsPerLoad; ++j) {
-        const uint32_t words[4] = {wv[u][j].x, wv[u][j].y, wv[u][j].z, wv[u][j].w};
-#pragma unroll
-        for (int h = 0; h < 4; ++h) {
-          const float2 wf = Unpack<T>(words[h]);
-#pragma unroll
-          for (int m = 0; m < M; ++m) {
-            acc[m][2 * h] = fmaf(xs[m][j], wf.x, acc[m][2 * h]);
-            acc[m][2 * h + 1] = fmaf(xs[m][j], wf.y, acc[m][2 * h + 1]);
-          }
+        for (int m = 0; m < M; ++m) {
+          acc[m][2 * h] = fmaf(xs[m][j], wf.x, acc[m][2 * h]);
+          acc[m][2 * h + 1] = fmaf(xs[m][j], wf.y, acc[m][2 * h + 1]);
         }
       }
     }
@@ -134,69 +135,111 @@ __device__ bool TakeLine(const StagedKernelArgs& a, int set, int sender, int off
   }
 }
 
+// One CTA per slab of kGemvSlabCols columns: it multiplies its slab, then pushes it to every
+// peer (and keeps it in `out`). Pushes never wait. Only the last `summers` CTAs to finish their
+// slab wait: for every peer's lines, which they add to the whole block. So at most `summers`
+// CTAs of a rank hold SMs while they wait, and every other CTA, of every rank, still finds one
+// (forward progress: LaunchGemvPsumKernel keeps the ranks' summers to half the SMs).
 template <typename T, int M>
-__global__ void __launch_bounds__(kThreads)
-    GemvPsumKernel(const StagedKernelArgs a, const GemvOperands g) {
-  const int n = a.n, r = a.rank;
+__global__ void __launch_bounds__(kThreads, 2)
+    GemvPsumKernel(const StagedKernelArgs a, const GemvOperands g, int summers) {
+  const int n = a.n, r = a.rank, slab = blockIdx.x;
   const uint32_t flag = PackedFlag(a.value);
-  const int slabs = g.n / kGemvSlabCols;
   T* out = reinterpret_cast<T*>(a.out);
   __shared__ float partial[kWarps][M][kGemvSlabCols];
   __shared__ int call_set;
+  __shared__ unsigned ticket;
   if (threadIdx.x == 0) call_set = CallSet(a);
+  // 1. My slab, tile by tile through the ring.
+  extern __shared__ uint4 ring[];  // [kStages][kPiecesPerTile][kThreads]
+  const int group = threadIdx.x % kColGroups, lane = threadIdx.x / kColGroups;
+  const T* w = static_cast<const T*>(g.w) + static_cast<size_t>(slab) * kGemvSlabCols +
+               group * kColsPerThread;
+  const int tiles = (g.k + kTileRows - 1) / kTileRows;
+  auto slot_of = [&](int t) {
+    return ring + static_cast<size_t>(t % kStages) * kPiecesPerTile * kThreads + threadIdx.x;
+  };
+  auto fetch = [&](int t) {  // tile t's pieces into its ring slot (an empty group past the end)
+    if (t < tiles) {
+#pragma unroll
+      for (int run = 0; run < kRunsPerTile; ++run) {
+        const int row0 = RunRow(t, run, lane);
+#pragma unroll
+        for (int j = 0; j < kRun; ++j)
+          CopyPiece(slot_of(t) + (run * kRun + j) * kThreads,
+                    row0 < g.k ? w + static_cast<size_t>(row0 + j) * g.n : g.w,
+                    row0 < g.k ? 16 : 0);
+      }
+    }
+    CommitPieces();
+  };
+  for (int t = 0; t < kStages - 1; ++t) fetch(t);
+  float acc[M][kColsPerThread] = {};
+  for (int t = 0; t < tiles; ++t) {
+    fetch(t + kStages - 1);
+    WaitPieces<kStages - 1>();  // tile t's pieces are in
+    MultiplyTile<T, M>(g, t, slot_of(t), acc);
+  }
+  // 2. The slab summed over the CTA, rounded, pushed as lines to every peer and kept in `out`.
+  const int warp_lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int c = 0; c < kColsPerThread; ++c) {
+      float v = acc[m][c];
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      if (warp_lane < kColGroups) partial[warp][m][group * kColsPerThread + c] = v;
+    }
   __syncthreads();
   const int set = call_set;
-  // The line of element (m, slab column q * 4) of the [M, N] block.
-  auto line_of = [&](int slab, int m, int q) {
+  // The line of element (m, column 4 q of the slab) of the [M, N] block.
+  auto line_of = [&](int m, int q) {
     return (static_cast<size_t>(m) * g.n + static_cast<size_t>(slab) * kGemvSlabCols) / 4 + q;
   };
-  // 1. My slabs, each pushed to every peer (and kept in `out`) as soon as it is summed over
-  //    the CTA: pushes never wait, so a slab's lines travel while the next one multiplies.
-  for (int slab = blockIdx.x; slab < slabs; slab += gridDim.x) {
-    float acc[M][kColsPerThread];
-    const int group = threadIdx.x % kColGroups;
-    MultiplySlab<T, M>(g, static_cast<size_t>(slab) * kGemvSlabCols + group * kColsPerThread, acc);
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int i = threadIdx.x; i < M * kLinesPerRow; i += kThreads) {
+    const int m = i / kLinesPerRow, q = i % kLinesPerRow;
+    float s[4];
 #pragma unroll
-    for (int m = 0; m < M; ++m)
+    for (int c = 0; c < 4; ++c) {
+      s[c] = partial[0][m][4 * q + c];
 #pragma unroll
-      for (int c = 0; c < kColsPerThread; ++c) {
-        float v = acc[m][c];
-        v += __shfl_xor_sync(0xffffffffu, v, 8);
-        v += __shfl_xor_sync(0xffffffffu, v, 16);
-        if (lane < kColGroups) partial[warp][m][group * kColsPerThread + c] = v;
-      }
-    __syncthreads();
-    for (int i = threadIdx.x; i < M * kLinesPerRow; i += kThreads) {
-      const int m = i / kLinesPerRow, q = i % kLinesPerRow;
-      float s[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        s[c] = partial[0][m][4 * q + c];
-#pragma unroll
-        for (int w = 1; w < kWarps; ++w) s[c] += partial[w][m][4 * q + c];
-      }
-      const uint2 d = make_uint2(Pack<T>(s[0], s[1]), Pack<T>(s[2], s[3]));
-      const size_t line = line_of(slab, m, q);
-      for (int k = 1; k < n; ++k)
-        StoreLine(PackedSlot(a.layout, (r + k) % n, n, set, r) + 16 * line, d, flag);
-      *reinterpret_cast<uint2*>(out + 4 * line) = d;
+      for (int v = 1; v < kWarps; ++v) s[c] += partial[v][m][4 * q + c];
     }
-    __syncthreads();
+    const uint2 d = make_uint2(Pack<T>(s[0], s[1]), Pack<T>(s[2], s[3]));
+    const size_t line = line_of(m, q);
+    for (int k = 1; k < n; ++k)
+      StoreLine(PackedSlot(a.layout, (r + k) % n, n, set, r) + 16 * line, d, flag);
+    *reinterpret_cast<uint2*>(out + 4 * line) = d;
   }
-  // 2. My slabs' lines from every peer, added in rank order (float32, one rounding: the packed
-  //    psum's order), my own from `out`; then the lines read are zeroed (packed_kernel.h).
-  const int mine = (slabs - static_cast<int>(blockIdx.x) + gridDim.x - 1) / gridDim.x;
+  // 3. A ticket on the lane's CTA count: the last `summers` to take one wait until every CTA of
+  //    the grid took its own (its slab is in `out` then: its fence came before), then for every
+  //    peer's lines, and add them in rank order (float32, one rounding: the packed psum's
+  //    order), my own partial from `out`; they zero the lines they read (packed_kernel.h) and
+  //    count themselves again, and the last of them reports the call done. Only they wait, and
+  //    the CTAs they wait for never do.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    ticket = atomicAdd(a.ctas_done, 1u);
+  }
+  __syncthreads();
+  const int first = static_cast<int>(gridDim.x) - summers;
+  if (static_cast<int>(ticket) < first) return;
+  if (threadIdx.x == 0) {
+    while (*reinterpret_cast<volatile unsigned*>(a.ctas_done) < gridDim.x) __nanosleep(100);
+    __threadfence();
+  }
+  __syncthreads();
+  const size_t lines = static_cast<size_t>(M) * g.n / 4;
   bool ok = true;
-  for (int i = threadIdx.x; ok && i < mine * M * kLinesPerRow; i += kThreads) {
-    const int slab = blockIdx.x + (i / (M * kLinesPerRow)) * gridDim.x;
-    const int m = (i % (M * kLinesPerRow)) / kLinesPerRow, q = i % kLinesPerRow;
-    const size_t line = line_of(slab, m, q);
+  for (size_t line = (ticket - first) * static_cast<size_t>(kThreads) + threadIdx.x;
+       ok && line < lines; line += static_cast<size_t>(summers) * kThreads) {
     float sum[4];
     for (int s = 0; ok && s < n; ++s) {
       uint2 d;
       if (s == r)
-        d = *reinterpret_cast<const uint2*>(out + 4 * line);
+        d = __ldcg(reinterpret_cast<const uint2*>(out + 4 * line));
       else
         ok = TakeLine(a, set, s, (s - r + n) % n - 1, line, flag, &d);
       const float2 lo = Unpack<T>(d.x), hi = Unpack<T>(d.y);
@@ -211,10 +254,16 @@ __global__ void __launch_bounds__(kThreads)
       if (s != r) StoreLine(PackedSlot(a.layout, r, n, set, s) + 16 * line, make_uint2(0, 0), 0);
   }
   __syncthreads();
-  FinishCall(a);
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(a.ctas_done, 1u) == gridDim.x + summers - 1) {
+      *a.ctas_done = 0;
+      ReportCallDone(a);
+    }
+  }
 }
 
-using Kernel = void (*)(const StagedKernelArgs, const GemvOperands);
+using Kernel = void (*)(const StagedKernelArgs, const GemvOperands, int);
 
 template <typename T, int... Ms>
 Kernel KernelFor(int m, std::integer_sequence<int, Ms...>) {
@@ -245,6 +294,9 @@ cudaError_t LoadGemvPsumKernel() {
     cudaFuncAttributes attr;
     for (Kernel k : {KernelFor<__nv_bfloat16>(m, rows), KernelFor<__half>(m, rows)}) {
       cudaError_t e = cudaFuncGetAttributes(&attr, k);
+      if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(kRingBytes));
       if (e != cudaSuccess) return e;
     }
   }
@@ -260,11 +312,12 @@ cudaError_t LaunchGemvPsumKernel(const StagedKernelArgs& args, const GemvOperand
     if (e != cudaSuccess) return e;
     if (device >= 0 && device < 64) sms_of[device] = sms;
   }
+  // Waiting CTAs: where the n ranks share a GPU, theirs together hold half its SMs at most.
   const int slabs = g.n / kGemvSlabCols;
-  const int most = sms / args.n > 0 ? sms / args.n : 1;
-  const int per = (slabs + most - 1) / most;
-  const int ctas = (slabs + per - 1) / per;
-  KernelFor(g)<<<ctas, kThreads, 0, stream>>>(args, g);
+  int summers = sms / (2 * args.n);
+  if (summers < 1) summers = 1;
+  if (summers > slabs) summers = slabs;
+  KernelFor(g)<<<slabs, kThreads, kRingBytes, stream>>>(args, g, summers);
   return cudaGetLastError();
 }
 

@@ -1,11 +1,10 @@
-// matmul_psum's GEMV (docs/design.md, "Decode: the GEMV and its psum in one kernel"):
+// matmul_psum's GEMV (docs/design.md, "Decode: the GEMV inside the psum's exchange"):
 // out = psum(x @ w) for x [M, K] with few rows (a decode step's), w [K, N], in one launch that
-// is also the staged psum's packed exchange. Each CTA multiplies column slabs of w, rounds each
-// slab's partial to the element type and pushes it to every peer as packed lines
-// (packed_lines.cuh) while it goes on to its next slab; after its last push it waits for its
-// slabs' lines from every peer and adds them in rank order in float32 (one rounding), as the
-// packed psum does, so the result is the same bits on every rank and the lines are those of a
-// packed psum of the same block: either kernel reads the other's.
+// is also the staged psum's packed exchange. A CTA per column slab of w multiplies it, rounds
+// it to the element type and pushes it to every peer as packed lines (packed_lines.cuh); the
+// last CTAs to finish wait for every peer's lines and add them in rank order in float32 (one
+// rounding), as the packed psum does, so the result is the same bits on every rank and the
+// lines are those of a packed psum of the same block: either kernel reads the other's.
 #ifndef JAX_HOCCL_STAGED_GEMV_PSUM_KERNEL_H_
 #define JAX_HOCCL_STAGED_GEMV_PSUM_KERNEL_H_
 
@@ -38,9 +37,9 @@ const char* GemvPsumRefuses(const GemvOperands& g);
 cudaError_t LoadGemvPsumKernel();
 
 // Launches it on `stream`: `args` as for the packed exchange of the [m, n] block (value, set,
-// layout, progress), the result into args.out. `device`'s SMs bound its CTAs: where the n
-// ranks share a GPU, every CTA of every rank is resident at once (a CTA waits for its peers'
-// CTAs of the same slabs).
+// layout, progress, the lane's CTA count), the result into args.out. `device`'s SMs bound the
+// CTAs that wait: SMs / 2n of each rank, so ranks sharing a GPU leave half of it to CTAs that
+// never wait.
 cudaError_t LaunchGemvPsumKernel(const StagedKernelArgs& args, const GemvOperands& g, int device,
                                  cudaStream_t stream);
 

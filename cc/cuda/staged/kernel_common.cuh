@@ -99,8 +99,20 @@ __device__ __forceinline__ __half FromFloat<__half>(float v) {
   return __float2half_rn(v);
 }
 
+// The call's last CTA: counts a captured call and reports an uncaptured one's progress to the
+// host.
+__device__ inline void ReportCallDone(const StagedKernelArgs& a) {
+  if (a.captured) *a.captured_count += 1;  // read by the next captured call's kernel
+  // The count needs no fence: the next captured call's kernel follows in stream order. The
+  // host's progress word does (the watchdog reads it from the host).
+  if (a.progress_value) {
+    __threadfence_system();
+    a.host->progress[a.lane] = a.progress_value;
+  }
+}
+
 // After the CTA's last barrier, thread 0: the grid's last CTA (a count of them; one CTA alone
-// needs none) counts a captured call and reports an uncaptured one's progress to the host.
+// needs none) reports the call done.
 __device__ inline void FinishCall(const StagedKernelArgs& a) {
   if (threadIdx.x != 0 || !(a.progress_value || a.captured)) return;
   bool last = gridDim.x == 1;
@@ -109,14 +121,7 @@ __device__ inline void FinishCall(const StagedKernelArgs& a) {
     last = atomicAdd(a.ctas_done, 1u) == gridDim.x - 1;
     if (last) *a.ctas_done = 0;
   }
-  if (!last) return;
-  if (a.captured) *a.captured_count += 1;  // read by the next captured call's kernel
-  // The count needs no fence: the next captured call's kernel follows in stream order. The
-  // host's progress word does (the watchdog reads it from the host).
-  if (a.progress_value) {
-    __threadfence_system();
-    a.host->progress[a.lane] = a.progress_value;
-  }
+  if (last) ReportCallDone(a);
 }
 
 }  // namespace staged_device

@@ -22,6 +22,7 @@ VARIABLES = {
     "JAX_HOCCL_STAGED_KERNEL": ("choice", {"0", "1"}),
     "JAX_HOCCL_STAGED_SUM": ("choice", {"0", "1"}),
     "JAX_HOCCL_STAGED_PACKED_BYTES": ("int", 0),
+    "JAX_HOCCL_GEMV_PSUM": ("choice", {"0", "1"}),
     "JAX_HOCCL_CUBLASLT": ("choice", {"0", "1"}),
     "JAX_HOCCL_CUBLASLT_CANDIDATES": ("int", 1, 64),
     "JAX_HOCCL_CUBLASLT_VERBOSE": ("choice", {"0", "1"}),

@@ -11,7 +11,9 @@ with and without them, "added" the median of the rounds' differences, its quarti
 each with "staged_sum": whether the staged psums were summed inside the exchange kernel
 (JAX_HOCCL_STAGED_SUM=1; on a GPU every job runs with it off and on), and "staged_packed":
 false where the job turned the packed exchange off (JAX_HOCCL_STAGED_PACKED_BYTES=0; on a
-GPU the jobs in CUDA graphs run with it on and off; the CPU engine has no packed exchange):
+GPU the jobs in CUDA graphs run with it on and off; the CPU engine has no packed exchange),
+and "gemv_psum": whether decode's GEMV ran inside the psum's exchange (JAX_HOCCL_GEMV_PSUM=1;
+on a GPU one more job in CUDA graphs, the sums in the kernel, packed):
   "step": {"op", "layers", "ranks", "mps", "command_buffers", "us_per_step",
            "baseline_us_per_step", "added_us_per_step", "added_quartiles_us",
            "per_collective_us", "job_added_us_per_step", "job_per_collective_us",
@@ -156,13 +158,15 @@ def run(out_dir: str, commit: str) -> str:
               ROUNDS=str(ROUNDS), CALLS=str(CALLS))
   steps, latency, decode = [], [], []
   # on a GPU each setting with the staged sums by XLA and inside the exchange kernel, and in
-  # graphs also without the packed exchange (the exchange kernel's flags at every size)
-  jobs = ([(b, s, p) for b in (True, False) for p in ((True, False) if b else (True,))
-           for s in (False, True)] if gpu else [(False, False, True)])
+  # graphs also without the packed exchange (the exchange kernel's flags at every size), and
+  # decode's GEMV inside the exchange
+  jobs = ([(b, s, p, False) for b in (True, False) for p in ((True, False) if b else (True,))
+           for s in (False, True)] + [(True, True, True, True)] if gpu
+          else [(False, False, True, False)])
   step_bytes, chain_bytes = 64 * width * 2, 65536
   for n in ((2, 4) if gpu else (2,)):
     floor = None if gpu else {}  # {bytes: us}, measured once per number of ranks on a GPU
-    for buffers, summed, packed in jobs:
+    for buffers, summed, packed, gemv in jobs:
       with contextlib.ExitStack() as stack:
         if gpu:
           flags = "--xla_gpu_shard_autotuning=false"
@@ -177,6 +181,7 @@ def run(out_dir: str, commit: str) -> str:
         env["JAX_HOCCL_STAGED_SUM"] = "1" if summed else "0"
         if not packed:
           env["JAX_HOCCL_STAGED_PACKED_BYTES"] = "0"
+        env["JAX_HOCCL_GEMV_PSUM"] = "1" if gemv else "0"
         if floor is None:
           try:
             floor = staged_floor.floors(n, (chain_bytes, step_bytes), env)
@@ -184,7 +189,7 @@ def run(out_dir: str, commit: str) -> str:
             print(f"no staged floor with {n} ranks: {e}")
             floor = {}
         rows, plat = _job(n, env)
-      common = dict(ranks=n, mps=gpu, staged_sum=summed, staged_packed=packed)
+      common = dict(ranks=n, mps=gpu, staged_sum=summed, staged_packed=packed, gemv_psum=gemv)
       for r in rows:
         if r["kind"] == "step":
           steps.append(dict(op=r["op"], layers=LAYERS, command_buffers=buffers, **common,
@@ -223,8 +228,10 @@ def run(out_dir: str, commit: str) -> str:
   def against_floor(us, floor):
     return f" ({us / floor:.2f}x the floor, {floor:.1f} us)" if floor else ""
 
-  def summed_by(r):  # who summed the staged psums, and whether small blocks went packed
-    return ("kernel" if r["staged_sum"] else "xla") + ("" if r["staged_packed"] else " unpacked")
+  def summed_by(r):  # who summed the staged psums, whether small blocks went packed, and
+    # whether decode's GEMV ran inside the exchange
+    return (("kernel" if r["staged_sum"] else "xla") + ("" if r["staged_packed"] else " unpacked")
+            + (" gemv" if r["gemv_psum"] else ""))
 
   for r in steps:
     print(f"step {r['op']:<10} ranks {r['ranks']} graphs {str(r['command_buffers']):<5} "

@@ -2,7 +2,8 @@
 
 The staged psum's packed exchange multiplies its own block (cc/cuda/staged/gemv_psum_kernel.h):
 no launch of its own for the GEMV, no product written out and read back, and each column slab
-of the product travels to the peers while the next one multiplies. Its target,
+of the product travels to the peers as soon as its CTA has it. Off unless JAX_HOCCL_GEMV_PSUM=1
+(docs/design.md, "Decode: the GEMV inside the psum's exchange", says why). Its target,
 hoccl_matmul_psum_staged, is picked where the kernel and the packed exchange serve: on CUDA,
 bf16 or f16, x [M, K] of at most GEMV_MAX_ROWS rows, K a multiple of 4, N of 64, a block
 (M N elements) of at most the packed crossover, a group of at most 16 ranks inside a node,
@@ -10,6 +11,8 @@ the sum inside the exchange on (JAX_HOCCL_STAGED_SUM, JAX_HOCCL_STAGED_KERNEL). 
 XLA's dot, then the one-shot psum.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import jax.numpy as jnp
@@ -44,6 +47,8 @@ def _unfused(x, w, *, axes, axis_size, site):
 def kernel_takes(ctx, x_aval, w_aval, axes, n) -> bool:
   """Whether hoccl_matmul_psum_staged multiplies these operands in this lowering (the C++
   handler checks the same and refuses the rest)."""
+  if os.environ.get("JAX_HOCCL_GEMV_PSUM", "0") != "1":
+    return False
   if tuple(ctx.module_context.platforms) != ("cuda",) or not ffi_targets.staged_sums_in_kernel():
     return False
   dtype = np.dtype(x_aval.dtype)
