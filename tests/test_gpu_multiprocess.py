@@ -176,13 +176,28 @@ FAILURE_WORKER = PRELUDE + textwrap.dedent("""
         for _ in range(3):
             captured(xc).block_until_ready()
         assert _hoccl.staged_captured_calls() > 0
+    if mode == "absent_gemv":  # decode's GEMV inside the psum (JAX_HOCCL_GEMV_PSUM=1), captured
+        wg = jax.make_array_from_process_local_data(NamedSharding(mesh, P("tp")),
+                                                    np.ones((256, 512), jnp.bfloat16))
+        def decode(v, w):
+            for _ in range(6):
+                v = jax_hoccl.matmul_psum(v, w, "tp")[:, :256] / 512
+            return v
+        gemv = jax.jit(jax.shard_map(decode, mesh=mesh, in_specs=(P(None, "tp"), P("tp")),
+                                     out_specs=P(None, "tp"), check_vma=False))
+        xg = jax.make_array_from_process_local_data(NamedSharding(mesh, P(None, "tp")),
+                                                    np.ones((1, 256), jnp.bfloat16))
+        assert "hoccl_matmul_psum_staged" in gemv.lower(xg, wg).as_text()
+        for _ in range(3):
+            gemv(xg, wg).block_until_ready()
+        assert _hoccl.staged_captured_calls() > 0
     t0 = time.time()
     try:
         if me == 1 and mode == "exit":
             os._exit(0)
         if me == 1 and mode == "kill":
             os.kill(os.getpid(), 9)
-        if me == 1 and mode in ("absent", "absent_fused", "absent_captured"):
+        if me == 1 and mode in ("absent", "absent_fused", "absent_captured", "absent_gemv"):
             time.sleep(20)
             os._exit(0)
         # On the staged path the call that lost its peer is released by the watchdog and the
@@ -194,6 +209,9 @@ FAILURE_WORKER = PRELUDE + textwrap.dedent("""
                 fused(xf).block_until_ready()
             elif mode == "absent_captured":  # the replay's wait is released, the next call raises
                 captured(xc).block_until_ready()
+                psum(x).block_until_ready()
+            elif mode == "absent_gemv":
+                gemv(xg, wg).block_until_ready()
                 psum(x).block_until_ready()
             else:
                 psum(x).block_until_ready()
@@ -808,6 +826,18 @@ def test_peer_that_never_comes_to_a_captured_call(tmp_path, mover):
     out = _run(tmp_path, FAILURE_WORKER, 120, {**env, **mps})[0]
   assert "ERROR after" in out and "timed out after 5 s" in out, out[-3000:]
   assert "inside a CUDA graph" in out and "rank 1 (device" in out, out[-3000:]
+  assert float(out.split("ERROR after ")[1].split(" s")[0]) < 15, out[-3000:]
+
+
+def test_peer_that_never_comes_to_decodes_gemv(tmp_path):
+  """Decode's GEMV inside the psum (JAX_HOCCL_GEMV_PSUM=1), replayed in a CUDA graph: its
+  summing CTAs report their stall, the watchdog ends their waits and names matmul_psum."""
+  env = {"MODE": "absent_gemv", "JAX_HOCCL_TIMEOUT_S": "5", "JAX_HOCCL_GEMV_PSUM": "1",
+         "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"}
+  with mps_daemon() as mps:
+    out = _run(tmp_path, FAILURE_WORKER, 120, {**env, **mps})[0]
+  assert "ERROR after" in out and "timed out after 5 s" in out, out[-3000:]
+  assert "inside a CUDA graph" in out and "matmul_psum" in out, out[-3000:]
   assert float(out.split("ERROR after ")[1].split(" s")[0]) < 15, out[-3000:]
 
 
