@@ -4,9 +4,12 @@
 # and print a short summary table last. The logs and the new results JSON go to
 # /tmp/jax_hoccl_gpu_check, and as one archive, gpu_check.tar.gz, to $OUT when it is set.
 #   bash scripts/gpu_check.sh [--quick | --no-bench | --bench-only | --fused-only | --staged |
-#                               --per-call]
+#                               --per-call | --decode]
 # --staged (one GPU, about 8 minutes): the staged path's GPU tests under MPS, bench --steps;
-# --per-call (one GPU, about 5 minutes): bench --processes. Each fits one device call
+# --per-call (one GPU, about 5 minutes): bench --processes; --decode (one GPU, about 4
+# minutes): decode's GEMV inside the psum (JAX_HOCCL_GEMV_PSUM=1) without JAX
+# (benchmarks/probe_gemv_psum.cu), its GPU tests, and its layers beside XLA's GEMV and the
+# packed psum (probe_chain_kernels.py --decode, both settings). Each fits one device call
 # (benchmarks/probe_chain_kernels.py, where a captured call's device time goes, runs on its
 # own).
 set -uo pipefail
@@ -22,6 +25,7 @@ case "$QUICK" in
   --fused-only) PHASE=bench; QUICK="--fused-only";;  # build + the fused section (~1 min)
   --staged) PHASE=staged; QUICK="";;
   --per-call) PHASE=per_call; QUICK="";;
+  --decode) PHASE=decode; QUICK="";;
 esac
 OUTDIR=/tmp/jax_hoccl_gpu_check
 rm -rf "$OUTDIR" && mkdir -p "$OUTDIR"
@@ -56,6 +60,33 @@ if [ "$PHASE" = staged ]; then
   echo "== steps of small layers and decode across processes, 2 and 4 ranks under MPS"
   timeout 300 $PY -m jax_hoccl.bench --steps --out benchmarks/results 2>&1 |
     tee "$OUTDIR/steps.log" | grep -E "^(step|chain|decode)"
+  collect
+  echo
+  echo "================ summary ================"
+  printf '%s\n' "${SUMMARY[@]}"
+  exit 0
+fi
+
+if [ "$PHASE" = decode ]; then
+  echo "== decode's GEMV inside the psum, two ranks on two streams, without JAX"
+  XLA_FFI=$($PY -c "import jax.ffi; print(jax.ffi.include_dir())")
+  if nvcc -std=c++17 -arch=sm_90a -O3 -Icc -I"$XLA_FFI" benchmarks/probe_gemv_psum.cu \
+       cc/cuda/staged/gemv_psum_kernel.cu -o "$OUTDIR/probe_gemv_psum" >>"$OUTDIR/build.log" 2>&1; then
+    timeout 120 "$OUTDIR/probe_gemv_psum" 2>&1 | tee "$OUTDIR/probe_gemv_psum.log"
+    rc=${PIPESTATUS[0]}
+    SUMMARY+=("probe_gemv_psum: exit $rc; $(grep '^M ' "$OUTDIR/probe_gemv_psum.log" | cut -c1-60 | paste -sd';')")
+  else
+    SUMMARY+=("probe_gemv_psum: BUILD FAILED (build.log)")
+  fi
+  echo "== its GPU tests (2 and 4 processes under MPS, an absent peer in a CUDA graph)"
+  timeout 300 $PY -m pytest tests/test_gpu_multiprocess.py -q -p no:cacheprovider -k \
+    "decode" 2>&1 | tee "$OUTDIR/decode_tests.log" | grep -E "passed|failed|Error" | tail -6
+  SUMMARY+=("decode tests: $(grep -E '(passed|failed|error)' "$OUTDIR/decode_tests.log" | tail -1)")
+  for gemv in 0 1; do
+    echo "== decode's layers, JAX_HOCCL_GEMV_PSUM=$gemv"
+    JAX_HOCCL_GEMV_PSUM=$gemv timeout 150 $PY benchmarks/probe_chain_kernels.py --decode \
+      --sums 1 --ranks 2 2>&1 | tee "$OUTDIR/decode_layers_$gemv.log" | grep -E "==|wall"
+  done
   collect
   echo
   echo "================ summary ================"
