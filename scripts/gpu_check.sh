@@ -58,7 +58,7 @@ if [ "$PHASE" = staged ]; then
     tee "$OUTDIR/staged_tests.log" | grep -E "TIME|passed|failed|Error" | tail -12
   SUMMARY+=("staged tests: $(grep -E '(passed|failed|error)' "$OUTDIR/staged_tests.log" | tail -1)")
   echo "== steps of small layers and decode across processes, 2 and 4 ranks under MPS"
-  timeout 300 $PY -m jax_hoccl.bench --steps --out benchmarks/results 2>&1 |
+  timeout 360 $PY -m jax_hoccl.bench --steps --out benchmarks/results 2>&1 |
     tee "$OUTDIR/steps.log" | grep -E "^(step|chain|decode)"
   collect
   echo
@@ -151,7 +151,7 @@ if [ "$NGPU" -lt 2 ] && [ "$QUICK" = --gemm-only ]; then
   echo "== per call across processes, 2 and 4 ranks under MPS"
   timeout 300 $PY -m jax_hoccl.bench --processes --out benchmarks/results 2>&1 | tee "$OUTDIR/per_call.log" | tail -20
   echo "== steps of small layers and decode across processes, 2 and 4 ranks under MPS"
-  timeout 300 $PY -m jax_hoccl.bench --steps --out benchmarks/results 2>&1 | tee "$OUTDIR/steps.log" | grep -E "^(step|chain|decode)"
+  timeout 360 $PY -m jax_hoccl.bench --steps --out benchmarks/results 2>&1 | tee "$OUTDIR/steps.log" | grep -E "^(step|chain|decode)"
   echo "== the fused ops' overlap, 2 ranks under MPS with the SMs split"
   timeout 400 $PY -m jax_hoccl.bench --overlap --out benchmarks/results 2>&1 | tee "$OUTDIR/overlap.log" | tail -10
 fi
