@@ -13,14 +13,16 @@ bash scripts/bootstrap.sh
 export JAX_HOCCL_PYTHON="$PWD/.venv/bin/python"
 log=$(mktemp)
 status=0
-# Lint and format (pyproject.toml's ruff rules, .clang-format), and the docs' layout against
-# the tree (tests/test_docs.py needs the checkout, which Bazel's test copy is not).
+# Lint and format (pyproject.toml's ruff rules, .clang-format), the docs' layout against the
+# tree and the lowering's limits against the engine's (tests/test_docs.py and
+# tests/test_engine_limits.py need the checkout, which Bazel's test copy is not).
 lint() {
   # (each step returns on failure itself: set -e does not apply left of `||`)
   .venv/bin/ruff check --quiet . || return 1
   find cc -name '*.cc' -o -name '*.h' | xargs .venv/bin/clang-format --dry-run --Werror || return 1
   local out  # kept out of the log: its pytest summary is not the suite's
-  out=$(.venv/bin/python -P -m pytest -q -p no:cacheprovider tests/test_docs.py 2>&1) ||
+  out=$(.venv/bin/python -P -m pytest -q -p no:cacheprovider tests/test_docs.py \
+    tests/test_engine_limits.py 2>&1) ||
     { echo "$out" | tail -20; return 1; }
   echo "run_tests.sh: lint and format clean"
 }

@@ -9,7 +9,6 @@ float32, bfloat16 and float16 blocks lower to `hoccl_psum_staged` and
 `hoccl_psum_scatter_staged`, whose exchange kernel sums as it copies out, unless
 JAX_HOCCL_STAGED_SUM=0 (the mover, then XLA's sum). The values on a GPU:
 tests/test_gpu_multiprocess.py (STAGED_WORKER, CAPTURE_WORKER)."""
-import pathlib
 import re
 
 import pytest
@@ -172,26 +171,3 @@ def test_decode_gemv_multiplies_inside_the_packed_exchange(dtype, n, monkeypatch
   monkeypatch.setenv("JAX_HOCCL_STAGED_SUM", "0")  # no sum inside the exchange at all
   assert _matmul_psum_targets(1, 256, 512, dtype, n) == ["hoccl_all_gather_staged"]
 
-
-CC = pathlib.Path(__file__).resolve().parent.parent / "cc" / "cuda" / "staged"
-
-
-def _constant(header, name):
-  """The value of `constexpr ... name = <expression>;` in cc/cuda/staged/<header>."""
-  found = re.search(rf"constexpr [\w: ]+ {name} = ([^;]+);", (CC / header).read_text())
-  assert found, (header, name)
-  return eval(re.sub(r"\w+\{(\d+)\}", r"\1", found[1]), {})  # size_t{1} << 23 -> 1 << 23
-
-
-@pytest.mark.skipif(not CC.exists(), reason="needs the checkout (not Bazel's copy)")
-def test_the_lowering_mirrors_the_cuda_engines_limits():
-  """The lowering picks a staged, summed or GEMV target by the C++ engine's limits, which
-  refuses the rest at run time: the two must agree."""
-  from jax_hoccl._src import ffi_targets
-  from jax_hoccl._src.fused import gemv_psum
-  assert ffi_targets.KERNEL_MAX_RANKS == _constant("exchange_kernel.h", "kKernelMaxRanks")
-  assert ffi_targets.DEFAULT_STAGED_BYTES == _constant("staged_layout.h", "kDefaultStagedBytes")
-  assert ffi_targets.DEFAULT_PACKED_BYTES == _constant("staged_layout.h", "kDefaultPackedBytes")
-  assert ffi_targets.PACKED_MAX_BYTES == _constant("packed_kernel.h", "kPackedMaxBytes")
-  assert gemv_psum.GEMV_MAX_ROWS == _constant("gemv_psum_kernel.h", "kGemvMaxRows")
-  assert gemv_psum.SLAB_COLS == _constant("gemv_psum_kernel.h", "kGemvSlabCols")
