@@ -297,6 +297,10 @@ cudaError_t LoadGemvPsumKernel() {
       if (e == cudaSuccess)
         e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  static_cast<int>(kRingBytes));
+      // Shared memory before L1, so that two CTAs (their rings) fit an SM.
+      if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 cudaSharedmemCarveoutMaxShared);
       if (e != cudaSuccess) return e;
     }
   }
