@@ -106,16 +106,18 @@ ffi::Error FinishStart(AsyncState& a, cudaStream_t stream, int64_t site) {
 
 ffi::Error EnqueueExchange(OpKind op, cudaStream_t stream, int lane, int32_t device, const void* in,
                            size_t in_bytes, void* out_data, size_t out_bytes, const Group& group,
-                           const ExchangeOptions& options, const Announce* announce) {
+                           const ExchangeOptions& options, const Announce* announce,
+                           const GemvOperands* gemv) {
   auto found = FindCudaGroup(op, group, device);
   if (found.has_error()) return found.error();
   OpSpec spec;
   ffi::Error made = MakeSpec(op, (*found)->rank, group, in_bytes, out_bytes, options, &spec);
   if (!made.success()) return made;
   in = InputFor(spec, in, out_data);
+  // Every rank sees the same shapes, so all skip together and sequence numbers stay in step.
   if (spec.bytes > 0 && OutputBytes(spec) > 0) {
     ExecStatus st = RunOnCuda(*(*found)->comm, spec, stream, in, out_data, lane,
-                              OpLabel{group.site, OpName(op)}, announce);
+                              OpLabel{group.site, OpName(op)}, announce, gemv);
     if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
   }
   return ffi::Error::Success();

@@ -68,10 +68,13 @@ ffi::ErrorOr<std::pair<cudaStream_t, int>> StartStream(AsyncState& a, cudaStream
 // Records the event done waits for, after everything the start enqueued on `stream`.
 ffi::Error FinishStart(AsyncState& a, cudaStream_t stream, int64_t site);
 
-// One exchange on a start's stream (StartStream).
+// One exchange on `stream` with its flags of lane `lane`: XLA's stream (lane 0) for a
+// synchronous handler, a start's stream (StartStream) for a start. `gemv`: matmul_psum's GEMV
+// multiplied inside the exchange (cuda_executor.h: RunOnCuda).
 ffi::Error EnqueueExchange(OpKind op, cudaStream_t stream, int lane, int32_t device, const void* in,
                            size_t in_bytes, void* out_data, size_t out_bytes, const Group& group,
-                           const ExchangeOptions& options, const Announce* announce = nullptr);
+                           const ExchangeOptions& options, const Announce* announce = nullptr,
+                           const GemvOperands* gemv = nullptr);
 
 // in/in_bytes: the input (in_place: ignored, the input is my slot of the output, InputFor);
 // out_data/out_bytes: where the result goes (the whole output, or for the "into" variant the

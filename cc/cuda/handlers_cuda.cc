@@ -30,18 +30,8 @@ ffi::Error RunCuda(OpKind op, cudaStream_t stream, int32_t device, ffi::AnyBuffe
   HOCCL_TRACE("handler %s: device %lld, stream %p, %zu groups entries, group size %lld\n",
               OpName(op), static_cast<long long>(device), static_cast<void*>(stream),
               group.ids.size(), static_cast<long long>(group.size));
-  auto found = FindCudaGroup(op, group, device);
-  if (found.has_error()) return found.error();
-  OpSpec spec;
-  ffi::Error made =
-      MakeSpec(op, (*found)->rank, group, x.size_bytes(), out->size_bytes(), options, &spec);
-  if (!made.success()) return made;
-  // Every rank sees the same shapes, so all skip together and sequence numbers stay in step.
-  if (spec.bytes == 0) return ffi::Error::Success();
-  ExecStatus st = RunOnCuda(*(*found)->comm, spec, stream, x.untyped_data(), out->untyped_data(), 0,
-                            OpLabel{group.site, OpName(op)});
-  if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
-  return ffi::Error::Success();
+  return EnqueueExchange(op, stream, 0, device, x.untyped_data(), x.size_bytes(),
+                         out->untyped_data(), out->size_bytes(), group, options);
 }
 
 // A start of (x) -> (out, token[, x]) (StartOutput) on its async stream.

@@ -9,13 +9,10 @@
 #include <string>
 
 #include "cuda/async_streams.h"
-#include "cuda/cuda_executor.h"
 #include "cuda/staged/gemv_psum_kernel.h"
 #include "ffi/handler_common.h"
 #include "ffi/handlers.h"
-#include "group.h"
 #include "host_profile.h"
-#include "job.h"
 #include "plan.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -38,17 +35,10 @@ static ffi::Error MatmulPsumStagedCuda(cudaStream_t stream, int32_t device, ffi:
                        static_cast<int>(xd[1]), static_cast<int>(wd[1]), options->sum};
   if (const char* refused = GemvPsumRefuses(g))
     return ffi::Error::InvalidArgument(std::string("jax_hoccl matmul_psum: ") + refused);
-  auto found = FindCudaGroup(OpKind::kAllGather, group, device);
-  if (found.has_error()) return found.error();
+  // A summed all_gather of the product's block, on XLA's stream (lane 0).
   const size_t block = static_cast<size_t>(g.m) * g.n * ffi::ByteWidth(x.element_type());
-  OpSpec spec;
-  ffi::Error made = MakeSpec(OpKind::kAllGather, (*found)->rank, group, block, out->size_bytes(),
-                             *options, &spec);
-  if (!made.success()) return made;
-  ExecStatus st = RunOnCuda(*(*found)->comm, spec, stream, nullptr, out->untyped_data(), 0,
-                            OpLabel{group.site, "gemv"}, nullptr, &g);
-  if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
-  return ffi::Error::Success();
+  return EnqueueExchange(OpKind::kAllGather, stream, 0, device, nullptr, block, out->untyped_data(),
+                         out->size_bytes(), group, *options, nullptr, &g);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

@@ -225,7 +225,7 @@ ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cuda
   if (captured && lane != 0)
     return {ErrorKind::kInternal, "jax_hoccl " + label.Name() +
                                       ": only calls on XLA's stream are captured into CUDA graphs"};
-  if ((spec.sum != SumType::kNone || gemv) && !StagedKernelServes(n))
+  if (spec.sum != SumType::kNone && !StagedKernelServes(n))  // (a GEMV's spec is summed)
     return {ErrorKind::kInvalidArgument,
             "jax_hoccl " + label.Name() + ": a sum inside the exchange needs the exchange " +
                 "kernel (groups of at most " + std::to_string(kKernelMaxRanks) +

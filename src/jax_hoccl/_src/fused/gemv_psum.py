@@ -62,7 +62,7 @@ def kernel_takes(ctx, x_aval, w_aval, axes, n) -> bool:
   if not 2 <= n <= ffi_targets.KERNEL_MAX_RANKS:
     return False
   block = m * cols * dtype.itemsize
-  if block > ffi_targets.staged_limit() or block > ffi_targets.packed_limit():
+  if block > ffi_targets.packed_limit():  # (at most the staged crossover)
     return False
   mesh = ji.concrete_mesh_from_lowering(ctx, "matmul_psum")
   return not axes_lib.spans_nodes(mesh, axes, "matmul_psum")
