@@ -13,6 +13,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -107,7 +108,7 @@ int main() {
       }
     };
     // A watchdog of our own: breaks every rank's waits if the calls take 10 s.
-    bool done = false;
+    std::atomic<bool> done{false};
     std::thread watchdog([&] {
       const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
       while (!done && std::chrono::steady_clock::now() < until)

@@ -35,6 +35,12 @@ static ffi::Error MatmulPsumStagedCuda(cudaStream_t stream, int32_t device, ffi:
                        static_cast<int>(xd[1]), static_cast<int>(wd[1]), options->sum};
   if (const char* refused = GemvPsumRefuses(g))
     return ffi::Error::InvalidArgument(std::string("jax_hoccl matmul_psum: ") + refused);
+  // The kernel's loads and stores (XLA's buffers always allow them; a fault would end the
+  // process's CUDA context).
+  if ((reinterpret_cast<uintptr_t>(g.w) & 15) || (reinterpret_cast<uintptr_t>(g.x) & 7) ||
+      (reinterpret_cast<uintptr_t>(out->untyped_data()) & 7))
+    return ffi::Error::InvalidArgument(
+        "jax_hoccl matmul_psum: the GEMV needs w 16-byte aligned, x and the output 8-byte");
   // A summed all_gather of the product's block, on XLA's stream (lane 0).
   const size_t block = static_cast<size_t>(g.m) * g.n * ffi::ByteWidth(x.element_type());
   return EnqueueExchange(OpKind::kAllGather, stream, 0, device, nullptr, block, out->untyped_data(),

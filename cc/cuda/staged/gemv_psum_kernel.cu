@@ -226,13 +226,24 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();
   const int first = static_cast<int>(gridDim.x) - summers;
   if (static_cast<int>(ticket) < first) return;
+  // The rest of my grid never waits, so this wait ends; it still gives way to the watchdog
+  // (whatever broke the group, the counter is left as a call that ends leaves it).
+  __shared__ bool grid_in;
   if (threadIdx.x == 0) {
-    while (*reinterpret_cast<volatile unsigned*>(a.ctas_done) < gridDim.x) __nanosleep(100);
+    bool in = true;
+    for (int spins = 1; *reinterpret_cast<volatile unsigned*>(a.ctas_done) < gridDim.x; ++spins) {
+      __nanosleep(100);
+      if (spins % kSpinsPerBrokenCheck == 0 && *a.broken) {
+        in = false;
+        break;
+      }
+    }
     __threadfence();
+    grid_in = in;
   }
   __syncthreads();
   const size_t lines = static_cast<size_t>(M) * g.n / 4;
-  bool ok = true;
+  bool ok = grid_in;
   for (size_t line = (ticket - first) * static_cast<size_t>(kThreads) + threadIdx.x;
        ok && line < lines; line += static_cast<size_t>(summers) * kThreads) {
     float sum[4];
@@ -316,7 +327,9 @@ cudaError_t LaunchGemvPsumKernel(const StagedKernelArgs& args, const GemvOperand
     if (e != cudaSuccess) return e;
     if (device >= 0 && device < 64) sms_of[device] = sms;
   }
-  // Waiting CTAs: where the n ranks share a GPU, theirs together hold half its SMs at most.
+  // Waiting CTAs: where the n ranks share a GPU, theirs together hold half its SMs at most,
+  // a quarter of its places for CTAs (two an SM); so even four times n ranks on one GPU (other
+  // groups') leave their GEMVs' other CTAs places to run.
   const int slabs = g.n / kGemvSlabCols;
   int summers = sms / (2 * args.n);
   if (summers < 1) summers = 1;

@@ -57,7 +57,8 @@ def kernel_takes(ctx, x_aval, w_aval, axes, n) -> bool:
   (m, k), cols = x_aval.shape, w_aval.shape[1]
   if not all(ji.is_static(d) for d in (m, k, cols)):
     return False
-  if not (1 <= m <= GEMV_MAX_ROWS and k % 4 == 0 and cols % SLAB_COLS == 0):
+  if not (1 <= m <= GEMV_MAX_ROWS and k >= 4 and k % 4 == 0 and cols >= SLAB_COLS
+          and cols % SLAB_COLS == 0):
     return False
   if not 2 <= n <= ffi_targets.KERNEL_MAX_RANKS:
     return False
