@@ -6,10 +6,11 @@
 #   bash scripts/gpu_check.sh [--quick | --no-bench | --bench-only | --fused-only | --staged |
 #                               --per-call | --decode]
 # --staged (one GPU, about 8 minutes): the staged path's GPU tests under MPS, bench --steps;
-# --per-call (one GPU, about 5 minutes): bench --processes; --decode (one GPU, about 4
+# --per-call (one GPU, about 5 minutes): bench --processes; --decode (one GPU, about 6
 # minutes): decode's GEMV inside the psum (JAX_HOCCL_GEMV_PSUM=1) without JAX
-# (benchmarks/probe_gemv_psum.cu), its GPU tests, and its layers beside XLA's GEMV and the
-# packed psum (probe_chain_kernels.py --decode, both settings). Each fits one device call
+# (benchmarks/probe_gemv_psum.cu), its GPU tests, its decode rows (bench --steps --decode),
+# and its layers beside XLA's GEMV and the packed psum (probe_chain_kernels.py --decode, both
+# settings). Each fits one device call
 # (benchmarks/probe_chain_kernels.py, where a captured call's device time goes, runs on its
 # own).
 set -uo pipefail
@@ -82,6 +83,12 @@ if [ "$PHASE" = decode ]; then
   timeout 300 $PY -m pytest tests/test_gpu_multiprocess.py -q -p no:cacheprovider -k \
     "decode" 2>&1 | tee "$OUTDIR/decode_tests.log" | grep -E "passed|failed|Error" | tail -6
   SUMMARY+=("decode tests: $(grep -E '(passed|failed|error)' "$OUTDIR/decode_tests.log" | tail -1)")
+  echo "== decode's rows (bench --steps --decode): 2 ranks in CUDA graphs, GEMV inside or not"
+  timeout 180 $PY -m jax_hoccl.bench --steps --decode --out benchmarks/results 2>&1 |
+    tee "$OUTDIR/decode_rows.log" | grep -E "^decode"
+  mapfile -t ROWS < <(grep -E '^decode' "$OUTDIR/decode_rows.log" | cut -c1-110)
+  SUMMARY+=("${ROWS[@]}")
+  collect  # (what a call cut short leaves in $OUT)
   for gemv in 0 1; do
     echo "== decode's layers, JAX_HOCCL_GEMV_PSUM=$gemv"
     JAX_HOCCL_GEMV_PSUM=$gemv timeout 150 $PY benchmarks/probe_chain_kernels.py --decode \

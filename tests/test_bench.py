@@ -212,6 +212,36 @@ def test_steps_on_a_gpu_time_both_sums_with_command_buffers_on_and_off(monkeypat
                             ("1", False, True, "1")}, settings
 
 
+def test_steps_decode_runs_the_decode_rows_alone(monkeypatch, tmp_path):
+  """bench --steps --decode: only decode's rows, in their own file. On a GPU two jobs of 2
+  ranks (graphs on, sums in the kernel, packed), the GEMV inside the exchange and not, and no
+  staged floor; without a GPU the one CPU job, which times decode alone."""
+  import contextlib
+  from jax_hoccl.bench import steps
+  from jax_hoccl.bench.__main__ import parse_args
+  assert parse_args(["--steps", "--decode"]).decode
+  with pytest.raises(SystemExit):
+    parse_args(["--decode"])
+  monkeypatch.setattr(steps, "ROUNDS", 3)
+  monkeypatch.setattr(steps, "CALLS", 10)
+  path = steps.run(str(tmp_path), "test", decode_only=True)
+  result = json.load(open(path))
+  assert path.endswith("-cpu-decode.json") and not result["step"], path
+  assert not result["device_latency"]
+  assert [r["rows"] for r in result["decode"]] == [1, 8, 64]
+  monkeypatch.setattr(steps.glob, "glob", lambda pattern: ["/dev/nvidia0"])
+  monkeypatch.setattr(steps, "mps_daemon", lambda: contextlib.nullcontext({}))
+  envs = []
+  monkeypatch.setattr(steps, "_job", lambda n, env: (envs.append((n, env)), ([], "gpu"))[1])
+  monkeypatch.setattr(steps.staged_floor, "floors", lambda *a: pytest.fail("a floor measured"))
+  steps.run(str(tmp_path), "test", decode_only=True)
+  assert [n for n, _ in envs] == [2, 2]
+  assert {(e["JAX_HOCCL_GEMV_PSUM"], e["JAX_HOCCL_STAGED_SUM"], e["DECODE_ONLY"],
+           "--xla_gpu_enable_command_buffer=" in e["XLA_FLAGS"],
+           e.get("JAX_HOCCL_STAGED_PACKED_BYTES")) for _, e in envs} == {
+               ("0", "1", "1", False, None), ("1", "1", "1", False, None)}
+
+
 def test_steps_go_on_without_a_floor_that_cannot_be_measured(monkeypatch, tmp_path, capsys):
   """bench --steps on a GPU where the raw floor fails (no IPC, say): every job still runs, once
   per number of ranks the failure is printed, and the rows' floor_us is None."""

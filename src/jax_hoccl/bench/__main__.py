@@ -78,6 +78,9 @@ def parse_args(argv):
   ap.add_argument("--steps", action="store_true",
                   help="steps of small layers and decode's GEMV + psum across processes, "
                        "command buffers on and off; the device time of chained collectives")
+  ap.add_argument("--decode", action="store_true",
+                  help="with --steps: only decode's GEMV + psum, 2 ranks, in CUDA graphs, the "
+                       "GEMV inside the exchange and not")
   ap.add_argument("--out", default="benchmarks/results", help="folder of the results JSON")
   ap.add_argument("--plot", metavar="DIR", help="write PNG figures of RESULTS.json to DIR")
   ap.add_argument("--model", action="store_true",
@@ -90,6 +93,8 @@ def parse_args(argv):
     ap.error("--plot DIR needs one results JSON")
   if a.results and not (a.plot or a.model):
     ap.error("a results JSON goes with --plot or --model")
+  if a.decode and not a.steps:
+    ap.error("--decode goes with --steps")
   if a.model and not a.results:  # the model needs the collectives section only, >= 1 MiB
     a.no_fused, a.no_interference = True, True
     a.sizes = a.sizes or "1,4,16"
@@ -115,7 +120,7 @@ def main(argv=None) -> int:
     return 0
   if a.steps:
     from jax_hoccl.bench import steps
-    print("wrote", steps.run(a.out, _commit()))
+    print("wrote", steps.run(a.out, _commit(), decode_only=a.decode))
     return 0
   if a.processes:
     from jax_hoccl.bench import processes

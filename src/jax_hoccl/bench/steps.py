@@ -4,7 +4,7 @@ time per collective in a chain inside one jit. On one GPU, 2 and 4 processes sha
 MPS daemon of their own (benchmarks/README.md says which figures transfer to several GPUs);
 without a GPU, 2 processes of one CPU device each.
 
-    python -m jax_hoccl.bench --steps [--out DIR]
+    python -m jax_hoccl.bench --steps [--decode] [--out DIR]   # --decode: its rows only
 
 Rows (from the rank that the collectives add most to; paired.py: paired rounds of the program
 with and without them, "added" the median of the rounds' differences, its quartiles beside),
@@ -91,6 +91,7 @@ WORKER = textwrap.dedent("""
         return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), v.astype(dtype))
 
     rows = []
+    decode_only = bool(os.environ.get("DECODE_ONLY"))
     w = local((1, D, D), jnp.bfloat16, 7)  # one layer's weight, reused by every layer
     h = local((64, D), jnp.bfloat16)
     steps = {}
@@ -101,10 +102,10 @@ WORKER = textwrap.dedent("""
             return h
         steps[op] = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("x"), P("x")),
                                           out_specs=P("x"), check_vma=False))
-    for op in ("psum", "all_gather", "ppermute"):
+    for op in () if decode_only else ("psum", "all_gather", "ppermute"):
         rows.append(dict(kind="step", op=op, **timed(steps[op], steps["none"], (h, w))))
     if os.environ.get("CHAINS"):
-        for op in ("psum", "all_gather"):
+        for op in () if decode_only else ("psum", "all_gather"):
             def chain(v, op=op):
                 for _ in range(K):
                     v = after[op](v) * 0.5
@@ -146,8 +147,9 @@ def _job(n: int, env: dict) -> tuple[list, str]:
   return ranks.with_job([f["rows"] for f in found], ["added_us", "us"]), found[0]["platform"]
 
 
-def run(out_dir: str, commit: str) -> str:
-  """Runs the jobs; writes and returns the results JSON's path."""
+def run(out_dir: str, commit: str, decode_only: bool = False) -> str:
+  """Runs the jobs; writes and returns the results JSON's path. decode_only: only the decode
+  rows, of 2 ranks in CUDA graphs, the GEMV inside the exchange and not (on a GPU)."""
   base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_HOCCL_NODE")}
   base.setdefault("PJRT_NPROC", "16")
   base.setdefault("JAX_HOCCL_TIMEOUT_S", "60")
@@ -163,9 +165,14 @@ def run(out_dir: str, commit: str) -> str:
   jobs = ([(b, s, p, False) for b in (True, False) for p in ((True, False) if b else (True,))
            for s in (False, True)] + [(True, True, True, True)] if gpu
           else [(False, False, True, False)])
+  if decode_only:
+    base["DECODE_ONLY"] = "1"
+    if gpu:  # in graphs, summed, packed; the GEMV inside the exchange and not
+      jobs = [j for j in jobs if j[0] and j[1] and j[2]]
   step_bytes, chain_bytes = 64 * width * 2, 65536
-  for n in ((2, 4) if gpu else (2,)):
-    floor = None if gpu else {}  # {bytes: us}, measured once per number of ranks on a GPU
+  for n in ((2, 4) if gpu and not decode_only else (2,)):
+    # {bytes: us}, measured once per number of ranks on a GPU (decode's rows have none)
+    floor = None if gpu and not decode_only else {}
     for buffers, summed, packed, gemv in jobs:
       with contextlib.ExitStack() as stack:
         if gpu:
@@ -252,7 +259,8 @@ def run(out_dir: str, commit: str) -> str:
           f"(q1-q3 {r['added_quartiles_us'][0]:.1f}-{r['added_quartiles_us'][1]:.1f}; "
           f"job {r['job_added_us_per_call']:.1f}; recorded {r['recorded_per_call']:.2f} per call)")
   os.makedirs(out_dir, exist_ok=True)
-  name = os.path.join(out_dir, f"{result['date']}-{'1xH200' if gpu else 'cpu'}-steps.json")
+  name = os.path.join(out_dir, f"{result['date']}-{'1xH200' if gpu else 'cpu'}-"
+                             f"{'decode' if decode_only else 'steps'}.json")
   with open(name, "w") as f:
     json.dump(result, f, indent=1)
   return name
