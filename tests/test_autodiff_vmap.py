@@ -263,3 +263,20 @@ def test_grad_matches_finite_differences(op, check_vma):
   eps = 1e-2
   numeric = (float(loss(x + eps * v)) - float(loss(x - eps * v))) / (2 * eps)
   np.testing.assert_allclose(float(np.sum(g * v)), numeric, rtol=2e-2, atol=2e-2)
+
+
+def test_invarying_all_gather_grad_with_replicated_out_specs_is_the_true_one():
+  """all_gather(to="invarying") under check_vma=False, out_specs=P(): the loss counts the
+  gathered value once, so <grad, v> equals the loss's central difference along v (jax 0.11.2's
+  jax.lax.all_gather gives 1/n of it: docs/supported.md)."""
+  rng = np.random.default_rng(29)
+  x = put(MESH1, rand(rng, (16, 3), np.float32), P("x"))
+  w = jnp.asarray(rand(rng, (16, 3), np.float32))
+  f = jax.shard_map(lambda a: hc.all_gather(a, "x", tiled=True, to="invarying"), mesh=MESH1,
+                    in_specs=P("x"), out_specs=P(), check_vma=False)
+  loss = jax.jit(lambda x: jnp.sum(jnp.sin(f(x)) * w))
+  g = to_np(jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(f(x)) * w)))(x))
+  v = rand(rng, x.shape, np.float32)
+  eps = 1e-2
+  numeric = (float(loss(x + eps * v)) - float(loss(x - eps * v))) / (2 * eps)
+  np.testing.assert_allclose(float(np.sum(g * v)), numeric, rtol=2e-2, atol=2e-2)

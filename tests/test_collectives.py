@@ -346,6 +346,23 @@ def test_psum_out_specs_replicated():
     np.testing.assert_allclose(to_np(got), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("op", ["psum", "all_gather", "psum_scatter", "all_to_all", "ppermute"])
+def test_no_axes_is_the_input_as_in_lax(op):
+  """axis_name=() names no axis (a group of one): jax.lax's collectives return the input as it
+  is, and so do jax_hoccl's (route_collectives hands them such calls)."""
+  call = {"psum": lambda m, a: m.psum(a, ()),
+          "all_gather": lambda m, a: m.all_gather(a, (), tiled=True),
+          "psum_scatter": lambda m, a: m.psum_scatter(a, (), tiled=True),
+          "all_to_all": lambda m, a: m.all_to_all(a, (), 0, 0, tiled=True),
+          "ppermute": lambda m, a: m.ppermute(a, (), [(0, 0)])}[op]  # one rank, to itself
+  x = put(MESH1, rand(np.random.default_rng(10), (16, 3), np.float32))
+  f = jax.jit(jax.shard_map(lambda a: (call(hc, a), call(jax.lax, a)), mesh=MESH1,
+                            in_specs=P("x"), out_specs=(P("x"), P("x"))))
+  got, ref = f(x)
+  assert_same(got, ref)
+  assert_same(got, x)
+
+
 def test_all_gather_invarying_out_specs():
   """all_gather(to='invarying') (lax's spelling) is invariant: out_specs=P() accepted."""
   x = put(MESH1, rand(np.random.default_rng(9), (16, 3), np.float32))

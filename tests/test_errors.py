@@ -52,14 +52,8 @@ def test_unknown_axis_names_the_axis(op):
 
 
 @pytest.mark.parametrize("op", list(ALL_OPS))
-def test_empty_or_repeated_axis_name(op):
-  if op == "psum":  # as jax.lax: a sum over no axis is x itself
-    f = jax.jit(jax.shard_map(lambda a: hc.psum(a, ()), mesh=MESH1, in_specs=P("x"),
-                              out_specs=P("x")))
-    np.testing.assert_array_equal(f(X1), X1)
-  else:
-    with pytest.raises(ValueError, match="at least one mesh axis"):
-      trace(lambda a: ALL_OPS[op](a, ()))
+def test_repeated_axis_name(op):
+  """(No axis at all is jax.lax's x itself: test_collectives.py, test_no_axes_is_the_input.)"""
   with pytest.raises(ValueError, match="repeats an axis"):
     trace(lambda a: ALL_OPS[op](a, ("x", "y", "x")), MESH2, X2)
 
@@ -85,9 +79,14 @@ def test_ppermute_axes_out_of_mesh_order_like_lax():
   with pytest.raises(RuntimeError, match=r"jax_hoccl.ppermute: axis_name \('y', 'x'\) is not in "
                      r"the order of the mesh's axes \('x', 'y'\).*raise_on_ppermute_sort_diff"):
     trace(lambda a: hc.ppermute(a, ("y", "x"), perm), MESH2, X2)
+  with pytest.raises(RuntimeError, match=r"jax_hoccl.ppermute_start: axis_name \('y', 'x'\) "
+                     r"is not in the order"):
+    trace(lambda a: hc.done(hc.ppermute_start(a, ("y", "x"), perm)), MESH2, X2)
   trace(lambda a: hc.ppermute(a, ("x", "y"), perm), MESH2, X2)
+  trace(lambda a: hc.done(hc.ppermute_start(a, ("x", "y"), perm)), MESH2, X2)
   with lax_ppermute_any_axis_order():
     trace(lambda a: hc.ppermute(a, ("y", "x"), perm), MESH2, X2)
+    trace(lambda a: hc.done(hc.ppermute_start(a, ("y", "x"), perm)), MESH2, X2)
   for op in ("psum", "all_gather", "psum_scatter", "all_to_all"):  # these take any order
     trace(lambda a: ALL_OPS[op](a, ("y", "x")), MESH2, X2)
 

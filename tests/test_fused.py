@@ -403,6 +403,64 @@ def test_embedding_ids_must_be_integers():
     _trace(hc.embedding_all_to_all, (6, 3), (4, 2, 2))
 
 
+MIXED = {  # op -> (x's spec and local shape, w's spec and shape, the jax.lax definition)
+    "all_gather_matmul": ((P("tp"), (4, 8)), (P(), (8, 8)),
+                          lambda x, w: jax.lax.all_gather(x, "tp", tiled=True) @ w),
+    "matmul_psum": ((P(None, "tp"), (4, 8)), (P("tp"), (8, 8)),
+                    lambda x, w: jax.lax.psum(x @ w, "tp")),
+    "matmul_reduce_scatter": ((P(None, "tp"), (4, 8)), (P("tp"), (8, 8)),
+                              lambda x, w: jax.lax.psum_scatter(x @ w, "tp", tiled=True)),
+    "matmul_all_to_all": ((P("tp"), (2, 2, 8)), (P(), (8, 8)),
+                          lambda x, w: jax.lax.all_to_all(x @ w, "tp", 0, 0, tiled=True)),
+}
+
+
+@pytest.mark.parametrize("types", [(jnp.bfloat16, jnp.float32), (jnp.float16, jnp.bfloat16),
+                                   (jnp.float32, jnp.bfloat16), (jnp.int8, jnp.int32)],
+                         ids=["bf16@f32", "f16@bf16", "f32@bf16", "i8@i32"])
+@pytest.mark.parametrize("op", list(MIXED))
+def test_operands_of_two_types_multiply_as_jnp_matmul_does(op, types):
+  """x and w of different types: the product in jnp.matmul's type (bf16 @ f32 is f32), equal
+  to the jax.lax definition; the gradients in the operands' own types."""
+  (x_spec, x_local), (w_spec, w_local), lax_op = MIXED[op]
+  mesh = MESHES["tp2"]
+  rng = np.random.default_rng(zlib.crc32(op.encode()))
+  glob = lambda spec, shape: tuple(d * (2 if spec and i < len(spec) and spec[i] else 1)  # noqa: E731
+                                   for i, d in enumerate(shape))
+  x = put(mesh, rand(rng, glob(x_spec, x_local), types[0]), x_spec)
+  w = put(mesh, rand(rng, glob(w_spec, w_local), types[1]), w_spec)
+  sm = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(x_spec, w_spec),  # noqa: E731
+                                       out_specs=P("tp") if op != "matmul_psum" else P()))
+  got, ref = sm(lambda a, b: getattr(hc, op)(a, b, "tp"))(x, w), sm(lax_op)(x, w)
+  assert got.dtype == ref.dtype == jnp.result_type(types[0], types[1]), (got.dtype, ref.dtype)
+  assert_close(got, ref, ref.dtype, op)
+  if jnp.issubdtype(ref.dtype, jnp.floating):
+    loss = lambda f: jax.jit(jax.grad(lambda a, b: jnp.sum(f(a, b).astype(jnp.float32)),  # noqa: E731
+                                      argnums=(0, 1)))
+    grads = loss(sm(lambda a, b: getattr(hc, op)(a, b, "tp")))(x, w)
+    ref_grads = loss(sm(lax_op))(x, w)
+    for g, r, v in zip(grads, ref_grads, (x, w)):
+      assert g.dtype == r.dtype == v.dtype, (g.dtype, r.dtype, v.dtype)
+      g, r = to_np(g).astype(np.float64), to_np(r).astype(np.float64)
+      tol = (2e-5 if v.dtype == jnp.float32 else 1e-2) * max(1.0, np.abs(r).max())
+      assert np.abs(g - r).max() <= tol and np.abs(r).max() > 0, (op, v.dtype)
+
+
+@pytest.mark.parametrize("op", list(MIXED))
+def test_no_output_columns_like_lax(op):
+  """w with N = 0 columns: an empty product of jax.lax's shape."""
+  (x_spec, x_local), (w_spec, _), lax_op = MIXED[op]
+  mesh = MESHES["tp2"]
+  glob = lambda spec, shape: tuple(d * (2 if spec and i < len(spec) and spec[i] else 1)  # noqa: E731
+                                   for i, d in enumerate(shape))
+  x = put(mesh, rand(np.random.default_rng(3), glob(x_spec, x_local)), x_spec)
+  w = put(mesh, jnp.zeros(glob(w_spec, (8, 0)), jnp.float32), w_spec)
+  sm = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(x_spec, w_spec),  # noqa: E731
+                               out_specs=P("tp") if op != "matmul_psum" else P())
+  ours = sm(lambda a, b: getattr(hc, op)(a, b, "tp"))
+  assert jax.jit(ours)(x, w).shape == jax.jit(sm(lax_op))(x, w).shape
+
+
 GOOD_SHAPES = {
     "all_gather_matmul": [(2, 4), (4, 3)],
     "matmul_reduce_scatter": [(8, 4), (4, 3)],

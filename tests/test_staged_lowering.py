@@ -163,6 +163,7 @@ def test_decode_gemv_multiplies_inside_the_packed_exchange(dtype, n, monkeypatch
   assert _matmul_psum_targets(9, 256, 512, dtype, n) == ["hoccl_psum_staged"]  # 9 rows
   assert _matmul_psum_targets(2, 254, 512, dtype, n) == ["hoccl_psum_staged"]  # K % 4
   assert _matmul_psum_targets(2, 256, 480, dtype, n) == ["hoccl_psum_staged"]  # N % 64
+  assert gemv[0] not in _matmul_psum_targets(2, 256, 0, dtype, n)  # N = 0: nothing to send
   # a block over the packed crossover (8 x 16384 x 2 bytes = 256 KiB > 128 KiB)
   assert _matmul_psum_targets(8, 256, 16384, dtype, n) == ["hoccl_psum_staged"]
   monkeypatch.setenv("JAX_HOCCL_STAGED_PACKED_BYTES", "1024")

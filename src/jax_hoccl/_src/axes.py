@@ -119,6 +119,15 @@ def check_dtype(x, op: str, summable: bool = False) -> None:
         f"Supported: {sorted(str(d) for d in allowed)}.")
 
 
+def matmul_operands(x, w, op: str):
+  """x and w of a fused op in the type jnp.matmul multiplies them in (bf16 @ f32 is f32), a
+  type jax_hoccl sums."""
+  dt = jnp.result_type(x, w)
+  x, w = (v if v.dtype == dt else v.astype(dt) for v in (x, w))
+  check_dtype(x, op, summable=True)
+  return x, w
+
+
 def check_static_shape(x, op: str) -> None:
   """Symbolic dims (jax.export) are refused at trace time: with jaxlib 0.11.2, a module whose
   shard_map body holds a custom call of symbolic shape crashes (SIGSEGV) in the shape

@@ -76,8 +76,7 @@ def _agmm_bwd(axis_name, invariant, res, ct):
     dx = mine @ w.T
   else:
     dx = matmul_reduce_scatter(ct, w.T, axis_name)
-  k, nout = w.shape
-  dw = gathered.reshape(-1, k).T @ ct.reshape(-1, nout)
+  dw = common.as_rows(gathered).T @ common.as_rows(ct)
   return cotangent_like(dx, x), cotangent_like(dw, w)
 
 
@@ -101,7 +100,7 @@ def all_gather_matmul(x, w, axis_name, *, to="varying"):
   if x.ndim < 2 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
     raise ValueError(f"jax_hoccl.all_gather_matmul: needs x [m, ..., K] and w [K, N], got "
                      f"{x.shape} and {w.shape}.")
-  axes_lib.check_dtype(x, "all_gather_matmul", summable=True)
+  x, w = axes_lib.matmul_operands(x, w, "all_gather_matmul")
   if to not in ("varying", "invarying", "invariant"):
     raise ValueError(f"jax_hoccl.all_gather_matmul: to must be 'varying' or 'invarying', got "
                      f"{to!r}.")

@@ -57,8 +57,7 @@ def kernel_takes(ctx, x_aval, w_aval, axes, n) -> bool:
   (m, k), cols = x_aval.shape, w_aval.shape[1]
   if not all(ji.is_static(d) for d in (m, k, cols)):
     return False
-  if not (1 <= m <= GEMV_MAX_ROWS and k >= 4 and k % 4 == 0 and cols >= SLAB_COLS
-          and cols % SLAB_COLS == 0):
+  if not (1 <= m <= GEMV_MAX_ROWS and k % 4 == 0 and cols >= SLAB_COLS and cols % SLAB_COLS == 0):
     return False
   if not 2 <= n <= ffi_targets.KERNEL_MAX_RANKS:
     return False
@@ -86,6 +85,6 @@ branches.register(gemv_psum_p)
 
 def gemv_psum(x, w, axes, n):
   """psum(x @ w, axes) for x [M, ..., K] varying over `axes` (n ranks) and w [K, N]."""
-  x2 = x.reshape(-1, x.shape[-1])
+  x2 = common.as_rows(x)
   out = gemv_psum_p.bind(x2, w, axes=tuple(axes), axis_size=n, site=axes_lib.new_site())
   return out.reshape(*x.shape[:-1], w.shape[1])

@@ -93,5 +93,5 @@ def matmul_all_to_all(x, w, axis_name):
   if x.ndim < 2 or x.shape[0] != n or w.ndim < 2 or x.shape[-1] != w.shape[-2]:
     raise ValueError(f"jax_hoccl.matmul_all_to_all: needs x [n={n}, ..., K] and w [..., K, N],"
                      f" got {x.shape} and {w.shape}.")
-  axes_lib.check_dtype(x, "matmul_all_to_all", summable=True)
+  x, w = axes_lib.matmul_operands(x, w, "matmul_all_to_all")
   return _mma2a(common.ensure_varying(x, axes, "matmul_all_to_all"), w, axes)

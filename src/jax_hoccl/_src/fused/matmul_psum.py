@@ -41,7 +41,7 @@ def multiply_and_sum(x, w, axes, n, chunks):
     return x @ w
   if chunks == 1 or m % n:
     return gemv_psum(x, w, axes, n)
-  x2 = x.reshape(-1, x.shape[-1])
+  x2 = common.as_rows(x)
   if chunks is None and reduce_scatter_walk.applies(x2, w, n, "matmul_psum"):  # one flagged GEMM
     return reduce_scatter_walk.gemm_psum(x2, w, axes, n).reshape(*x.shape[:-1], w.shape[1])
   inner = int(np.prod(x.shape[1:-1], dtype=np.int64))  # rows of x2 per row of x
@@ -73,7 +73,7 @@ def multiply_and_sum(x, w, axes, n, chunks):
   # piece p of block b: x rows [n * O_p + b * r_p, ...) (times `inner` rows of x2), and the
   # same rows of the output
   _, ov = ring.reduce_scatter_ring(
-      x.reshape(-1, x.shape[-1]), w, axes, n, [r * inner for r in pieces],
+      common.as_rows(x), w, axes, n, [r * inner for r in pieces],
       lambda p: (pieces[p] * inner, int(starts[p]) * inner),
       lambda p: ((m * inner, int(starts[p]) * inner, pieces[p] * inner) if in_place
                  else (pieces[p] * inner, 0, 0)), on_sum=gather)
@@ -99,9 +99,8 @@ def _mmps_bwd(axis_name, chunks, res, ct):
   # psum's transpose: a typed-invariant cotangent is the same everywhere (pbroadcast);
   # an untyped one may differ per rank and must be summed (docs/design.md).
   ct = jax.lax.pcast(ct, tuple(axes), to="varying") if ji.check_vma_enabled() else psum(ct, axes)
-  k, nout = w.shape
   dx = ct @ w.T
-  dw = x.reshape(-1, k).T @ ct.reshape(-1, nout)
+  dw = common.as_rows(x).T @ common.as_rows(ct)
   return cotangent_like(dx, x), cotangent_like(dw, w)
 
 
@@ -128,7 +127,7 @@ def matmul_psum(x, w, axis_name, *, chunks=None):
   if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
     raise ValueError(f"jax_hoccl.matmul_psum: needs x [M, ..., K] and w [K, N], got "
                      f"{x.shape} and {w.shape}.")
-  axes_lib.check_dtype(x, "matmul_psum", summable=True)
+  x, w = axes_lib.matmul_operands(x, w, "matmul_psum")
   if x.ndim == 1:
     return matmul_psum(x[None], w, axis_name, chunks=chunks)[0]
   if chunks is not None and chunks != 1:

@@ -42,7 +42,7 @@ def _ring(x, w, axes, n, chunks):
   pieces = ring.row_pieces(rows, 1, chunks, "matmul_reduce_scatter")
   starts = np.concatenate([[0], np.cumsum(pieces)[:-1]])
   out, _ = ring.reduce_scatter_ring(
-      x.reshape(-1, x.shape[-1]), w, axes, n, [r * inner for r in pieces],
+      common.as_rows(x), w, axes, n, [r * inner for r in pieces],
       lambda p: (rows * inner, int(starts[p]) * inner),
       lambda p: (rows * inner, int(starts[p]) * inner, 0))
   return out.reshape(rows, *x.shape[1:-1], w.shape[1])
@@ -51,7 +51,7 @@ def _ring(x, w, axes, n, chunks):
 def multiply_and_scatter(x, w, axes, n, chunks=None):
   if n == 1:
     return x @ w
-  x2 = x.reshape(-1, x.shape[-1])
+  x2 = common.as_rows(x)
   if chunks is None and reduce_scatter_walk.applies(x2, w, n, "matmul_reduce_scatter"):  # one flagged GEMM, the ring
     out = reduce_scatter_walk.gemm_reduce_scatter(x2, w, axes, n)
     return out.reshape(x.shape[0] // n, *x.shape[1:-1], w.shape[1])
@@ -85,8 +85,7 @@ def _mmrs_bwd(axis_name, chunks, res, ct):
     dx, ct_gathered = gather_walk.gemm_as_rows_land(ct, w.T, axes, n, with_rows=True)
   else:
     dx, ct_gathered = gather_beside_gemms(ct, w.T, axes, n, with_rows=True)
-  k, nout = w.shape
-  dw = x.reshape(-1, k).T @ ct_gathered.reshape(-1, nout)
+  dw = common.as_rows(x).T @ common.as_rows(ct_gathered)
   return cotangent_like(dx, x), cotangent_like(dw, w)
 
 
@@ -117,7 +116,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, chunks=None):
   if x.shape[0] % n:
     raise ValueError(f"jax_hoccl.matmul_reduce_scatter: x's leading dim {x.shape[0]} does not "
                      f"divide by the axis size {n} of {axes}.")
-  axes_lib.check_dtype(x, "matmul_reduce_scatter", summable=True)
+  x, w = axes_lib.matmul_operands(x, w, "matmul_reduce_scatter")
   if chunks is not None:
     chunks = ring.checked_chunks(chunks, x.shape[0] // n, "matmul_reduce_scatter")
   return _mmrs(common.ensure_varying(x, axes, "matmul_reduce_scatter"), w, axes, chunks)

@@ -69,7 +69,8 @@ def exchange_stacked(x, axes, axis_size, skip_own=False, groups=None):
 def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None, tiled=False):
   """jax.lax.all_to_all on copy engines. Works on pytrees (leaves of one dtype and type in
   one exchange per bucket, buckets.py)."""
-  if common.split_vmap_axes(axis_name, "all_to_all")[0]:  # a vmap axis: jax.lax's (see axes.py)
+  vmapped, mesh_axes = common.split_vmap_axes(axis_name, "all_to_all")
+  if vmapped or not mesh_axes:  # a vmap axis (see axes.py), or none: jax.lax's
     return jax.lax.all_to_all(x, axis_name, split_axis, concat_axis,
                               axis_index_groups=axis_index_groups, tiled=tiled)
   axes, n = axes_lib.check_axes(axis_name, "all_to_all")

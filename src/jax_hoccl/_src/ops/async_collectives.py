@@ -32,7 +32,7 @@ from jax_hoccl._src import explicit_axes
 from jax_hoccl._src import jax_internals as ji
 from jax_hoccl._src.ffi_targets import ffi_lower
 from jax_hoccl._src.ops import common
-from jax_hoccl._src.ops.ppermute import check_perm, permute_dst
+from jax_hoccl._src.ops.ppermute import check_axis_order, check_perm, permute_dst
 from jax_hoccl._src.ops.psum_scatter import scatter_blocks, scatter_result
 
 
@@ -301,6 +301,7 @@ def all_to_all_start(x, axis_name, *, tiled=True, order_input=True):
 def ppermute_start(x, axis_name, perm, *, order_input=True):
   """Starts jax_hoccl.ppermute(x, axis_name, perm)."""
   axes, n = axes_lib.check_axes(axis_name, "ppermute_start")
+  check_axis_order(axes, "ppermute_start")
   x = jnp.asarray(x)
   axes_lib.check_dtype(x, "ppermute_start")
   return _start("ppermute", common.ensure_varying(x, axes, "ppermute_start"), axes, n, order_input,

@@ -9,6 +9,12 @@ from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 
 
+def as_rows(x):
+  """x [..., K] as the [rows, K] of its matmul (the rows counted: reshape(-1, K) cannot size
+  an empty array)."""
+  return x.reshape(int(np.prod(x.shape[:-1], dtype=np.int64)), x.shape[-1])
+
+
 def split_vmap_axes(axis_name, op: str) -> tuple[tuple, tuple]:
   """axes.split_vmap_axes: (vmap axes, mesh axes) of axis_name; with a vmap axis inside a
   shard_map under check_vma=True, a clear error. jax.lax's collectives fail there too (over a

@@ -74,6 +74,20 @@ def check_perm(perm, n, op="ppermute"):
   return perm
 
 
+def check_axis_order(axes, op):
+  """As jax.lax.ppermute (jax 0.11.2), which raises unless the check is off, axes must be in
+  the mesh's order; with the check off jax_hoccl ranks devices row-major over the axes in the
+  order given, as axis_index does."""
+  mesh = jax.sharding.get_abstract_mesh()
+  moved = [a for a in axes if mesh.shape[a] > 1]  # one-device axes change no device order
+  mesh_order = [a for a in mesh.axis_names if a in moved]
+  if moved != mesh_order and ji.ppermute_axis_order_checked():
+    raise RuntimeError(
+        f"jax_hoccl.{op}: axis_name {axes} is not in the order of the mesh's axes "
+        f"{tuple(mesh_order)}. Pass them in mesh order or, to permute in the given order, set "
+        "jax.config.update('jax_raise_on_ppermute_sort_diff', False) (as for jax.lax.ppermute).")
+
+
 @explicit_axes.typed_like(jax.lax.ppermute)
 def ppermute(x, axis_name, perm):
   """jax.lax.ppermute on copy engines. Works on pytrees (leaves of one dtype and type in one
@@ -81,19 +95,11 @@ def ppermute(x, axis_name, perm):
   if not isinstance(perm, (list, tuple)):  # as jax.lax: a one-shot iterator would be empty on a retrace
     raise TypeError(f"jax_hoccl.ppermute: perm must be a list or a tuple of (source, "
                     f"destination) pairs, got {type(perm).__name__}.")
-  if common.split_vmap_axes(axis_name, "ppermute")[0]:  # a vmap axis: jax.lax's (see axes.py)
+  vmapped, mesh_axes = common.split_vmap_axes(axis_name, "ppermute")
+  if vmapped or not mesh_axes:  # a vmap axis (see axes.py), or none: jax.lax's
     return jax.lax.ppermute(x, axis_name, perm)
   axes, n = axes_lib.check_axes(axis_name, "ppermute")
-  mesh = jax.sharding.get_abstract_mesh()
-  moved = [a for a in axes if mesh.shape[a] > 1]  # one-device axes change no device order
-  mesh_order = [a for a in mesh.axis_names if a in moved]
-  if moved != mesh_order and ji.ppermute_axis_order_checked():
-    # As jax.lax.ppermute (jax 0.11.2), which raises this unless the check is off; jax_hoccl
-    # then ranks devices row-major over the axes in the order given, as axis_index does.
-    raise RuntimeError(
-        f"jax_hoccl.ppermute: axis_name {axes} is not in the order of the mesh's axes "
-        f"{tuple(mesh_order)}. Pass them in mesh order or, to permute in the given order, set "
-        "jax.config.update('jax_raise_on_ppermute_sort_diff', False) (as for jax.lax.ppermute).")
+  check_axis_order(axes, "ppermute")
   if n == 1:  # nothing to exchange (a one-device axis): jax.lax's costs nothing
     return jax.lax.ppermute(x, axis_name, perm)
   perm = check_perm(perm, n)

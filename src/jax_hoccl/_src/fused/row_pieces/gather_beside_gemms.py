@@ -42,7 +42,7 @@ def gather_beside_gemms(x, w, axes, n, *, with_rows=False):
     out = rows_matmul(x.reshape(m, k), w, axes, n, shift=0, block_rows=0, piece_row0=0,
                       rows=m, after=(pending.token,), **slot)
     others = exchanges.done_after(pending, pending.token, out)  # after the GEMM, not above it
-    flat = others.reshape(-1, k)
+    flat = common.as_rows(others)
     for j in range(1, n):  # rank r+j's rows, from others[j-1]
       out = rows_matmul(flat, w, axes, n, shift=0, block_rows=0, piece_row0=(j - 1) * m,
                         rows=m, into=out, out_shift=j, **slot)
@@ -51,10 +51,10 @@ def gather_beside_gemms(x, w, axes, n, *, with_rows=False):
     x = pending.input
     mine = x @ w
     others, mine = async_collectives.done(pending, mine)
-    theirs = (others.reshape(-1, k) @ w).reshape(*others.shape[:-1], w.shape[-1])
+    theirs = (common.as_rows(others) @ w).reshape(*others.shape[:-1], w.shape[-1])
     out = jnp.roll(jnp.concatenate([mine[None], theirs]), r, axis=0)  # index j: rank j's rows
-    out = out.reshape(-1, *out.shape[2:])
+    out = out.reshape(n * out.shape[1], *out.shape[2:])
   if not with_rows:
     return out, None
   gathered = jnp.roll(jnp.concatenate([x[None], others]), r, axis=0)
-  return out, gathered.reshape(-1, *x.shape[1:])
+  return out, gathered.reshape(n * x.shape[0], *x.shape[1:])
