@@ -351,7 +351,7 @@ def test_peer_that_never_calls_times_out_naming_the_op(tmp_path):
 
 
 FIRST_CALL_WORKER = textwrap.dedent("""
-    import os, sys
+    import os, sys, time
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     import jax
     from jax._src import distributed
@@ -376,6 +376,13 @@ FIRST_CALL_WORKER = textwrap.dedent("""
         print("ERROR", type(e).__name__ + ":", str(e).replace(chr(10), " "), flush=True)
     else:
         print("NO ERROR", flush=True)
+    g = jax.jit(jax.shard_map(lambda v: jax_hoccl.psum(v, "tp"), mesh=mesh, in_specs=P("tp"),
+                              out_specs=P("tp")))
+    t0 = time.time()
+    try:  # the next call: the same reason at once, not another wait
+        g(x).block_until_ready()
+    except Exception as e:
+        print("AGAIN after %.1f s:" % (time.time() - t0), str(e).replace(chr(10), " "), flush=True)
     client.key_value_set("test/peer_failed", "1")
     os._exit(0)  # skip jax.distributed's shutdown barrier
 """)
@@ -392,6 +399,9 @@ def test_first_call_names_the_process_that_never_joined(tmp_path, op):
   assert f"jax_hoccl {op}: process 0 of 2 timed out after 3 s" in out, out[-2000:]
   assert "waiting for process 1 to reach its first jax_hoccl call" in out, out[-2000:]
   assert "DEADLINE_EXCEEDED" not in out and "--xla_gpu_shard_autotuning=false" in out
+  again = [line for line in out.splitlines() if line.startswith("AGAIN after")]
+  assert again and float(again[0].split()[2]) < 2.5, out[-2000:]
+  assert "waiting for process 1 to reach its first jax_hoccl call" in again[0], again[0]
   assert not shared_memory_left()
 
 

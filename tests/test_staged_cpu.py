@@ -217,6 +217,9 @@ FAILURE_WORKER = COMMON + textwrap.dedent("""
     if mode == "mismatch":  # the same instruction (site) in both, another op in each
         call = (jit(lambda v: jax_hoccl.all_gather(v, "tp", tiled=True)) if me == 0 else
                 jit(lambda v: jax_hoccl.ppermute(v, "tp", shift)))
+    if mode == "dtype":  # the same op and bytes, another element type in each
+        call = jit(lambda v: jax_hoccl.psum(v, "tp"))
+        x = shard(np.ones((1, 4), np.float32 if me == 0 else np.int32))
     t0 = time.time()
     try:
         call(x).block_until_ready()
@@ -238,9 +241,9 @@ FAILURE_WORKER = COMMON + textwrap.dedent("""
 """)
 
 
-def _failure(tmp_path, mode):
+def _failure(tmp_path, mode, env=None):
   return run_processes(tmp_path, FAILURE_WORKER, 180, 2,
-                       {"MODE": mode, "JAX_HOCCL_TIMEOUT_S": "5"})
+                       {"MODE": mode, "JAX_HOCCL_TIMEOUT_S": "5", **(env or {})})
 
 
 def _message(line):
@@ -286,6 +289,18 @@ def test_a_peer_in_another_op_at_the_same_instruction_is_a_mismatch(tmp_path):
     assert "mismatched collectives" in line and seconds < 4.5, line
     assert "called all_gather of 16 bytes" in line and "called ppermute of 16 bytes" in line, line
     assert "AGAIN after" in out, out[-2000:]
+  assert not _left_by(outs)
+
+
+@pytest.mark.parametrize("staged_bytes", ["1048576", "0"], ids=["staged", "rendezvous"])
+def test_peers_moving_as_many_bytes_of_other_types_are_a_mismatch(tmp_path, staged_bytes):
+  """float32 on one rank, int32 on the other, one shape: a mismatch naming both types, not
+  an exchange of the bits."""
+  outs = _failure(tmp_path, "dtype", {"JAX_HOCCL_STAGED_BYTES": staged_bytes})
+  for out in outs:
+    seconds, line = _error(out)
+    assert "mismatched collectives" in line and seconds < 4.5, line
+    assert "of 16 bytes of float32" in line and "of 16 bytes of int32" in line, line
   assert not _left_by(outs)
 
 

@@ -71,11 +71,34 @@ ffi::Future Failed(ffi::Error error) {
   return future;
 }
 
+// The element type's name in a call's description (peers compare descriptions: ranks whose
+// calls move as many bytes of other types would otherwise exchange them silently).
+std::string TypeName(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::C64: return "complex64";
+    case ffi::DataType::C128: return "complex128";
+    default: return "XLA type " + std::to_string(static_cast<int>(type));  // 8-bit floats
+  }
+}
+
 // in_place: `in` is ignored, the input is my slot of the output (InputFor). A group that
 // spans processes runs on cpu_staged.h or cpu_cross_process.h (off XLA's threads).
-ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* in, size_t in_bytes,
-                   void* out_data, size_t out_bytes, const Group& group,
-                   const ExchangeOptions& options) {
+ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, ffi::DataType type,
+                   const void* in, size_t in_bytes, void* out_data, size_t out_bytes,
+                   const Group& group, const ExchangeOptions& options) {
   HostTimer timer("cpu handler");  // decode and rendezvous; the copies run at the last arrival
   OpSpec spec;
   std::vector<int64_t> ids;
@@ -89,8 +112,8 @@ ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, const void* i
   ffi::Future future(promise);
   if (!AllLocal(ids)) {
     const std::string name = SiteName(call->site, OpName(op));
-    const std::string what = name + " of " + std::to_string(spec.bytes) + " bytes (site " +
-                             std::to_string(call->site) + ")";
+    const std::string what = name + " of " + std::to_string(spec.bytes) + " bytes of " +
+                             TypeName(type) + " (site " + std::to_string(call->site) + ")";
     auto finish = [promise](const std::string& err) mutable {
       if (err.empty()) {
         promise.SetAvailable();
@@ -147,8 +170,8 @@ static ffi::Future StartCpu(OpKind op, int32_t device, CpuCall* call, ffi::AnyBu
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return Failed(out_or.error());
   ffi::Result<ffi::AnyBuffer> out = *out_or;
-  return RunCpu(op, device, call, x.untyped_data(), x.size_bytes(), out->untyped_data(),
-                out->size_bytes(), group, options);
+  return RunCpu(op, device, call, x.element_type(), x.untyped_data(), x.size_bytes(),
+                out->untyped_data(), out->size_bytes(), group, options);
 }
 
 static ffi::Future AllGatherStartCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
@@ -188,7 +211,8 @@ static ffi::Future IntoStartCpu(int32_t device, CpuCall* call, ffi::RemainingArg
   options.at_source_slot = permute_dst.size() > 0;  // a ppermute lands in the sender's slot
   options.in_place = into->in_place;
   return RunCpu(options.at_source_slot ? OpKind::kPermute : OpKind::kAllGather, device, call,
-                into->x, into->x_bytes, into->dst, into->bytes, group, options);
+                out->element_type(), into->x, into->x_bytes, into->dst, into->bytes, group,
+                options);
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kIntoStartCpu, IntoStartCpu,
                               CpuStart<ffi::RemainingArgs>()
@@ -218,14 +242,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kInstantiateCpuCall, InstantiateCpuCall,
 // skip_own: my own slot of the output is left unwritten (plan.h).
 static ffi::Future AllGatherCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                                 ffi::Result<ffi::AnyBuffer> out, Group group, int64_t skip_own) {
-  return RunCpu(OpKind::kAllGather, device, call, x.untyped_data(), x.size_bytes(),
-                out->untyped_data(), out->size_bytes(), group, SkipOwn(skip_own));
+  return RunCpu(OpKind::kAllGather, device, call, x.element_type(), x.untyped_data(),
+                x.size_bytes(), out->untyped_data(), out->size_bytes(), group, SkipOwn(skip_own));
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherCpu, AllGatherCpu, CpuSync().Attr<int64_t>("skip_own"));
 
 static ffi::Future AllToAllCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                                ffi::Result<ffi::AnyBuffer> out, Group group, int64_t skip_own) {
-  return RunCpu(OpKind::kAllToAll, device, call, x.untyped_data(), x.size_bytes(),
+  return RunCpu(OpKind::kAllToAll, device, call, x.element_type(), x.untyped_data(), x.size_bytes(),
                 out->untyped_data(), out->size_bytes(), group, SkipOwn(skip_own));
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllCpu, AllToAllCpu, CpuSync().Attr<int64_t>("skip_own"));
@@ -233,7 +257,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllToAllCpu, AllToAllCpu, CpuSync().Attr<int64_t>
 static ffi::Future PermuteCpu(int32_t device, CpuCall* call, ffi::AnyBuffer x,
                               ffi::Result<ffi::AnyBuffer> out, Group group,
                               ffi::Span<const int64_t> permute_dst) {
-  return RunCpu(OpKind::kPermute, device, call, x.untyped_data(), x.size_bytes(),
+  return RunCpu(OpKind::kPermute, device, call, x.element_type(), x.untyped_data(), x.size_bytes(),
                 out->untyped_data(), out->size_bytes(), group, PermuteTo(permute_dst));
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kPermuteCpu, PermuteCpu,

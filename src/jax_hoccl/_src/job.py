@@ -20,6 +20,7 @@ from jax_hoccl._src import jax_internals as ji
 _PREFIX = "jax_hoccl/job/"
 _nodes: list[str] | None = None  # node of each process
 _gpus_shared: bool | None = None  # two of the job's devices are one physical GPU
+_never_came: str | None = None  # why the job's processes did not all come (raised again)
 
 
 def node_name() -> str:
@@ -46,9 +47,11 @@ def timeout_s() -> float:
 def nodes(op: str = "collective") -> list[str]:
   """The node of every process, after telling the C++ engines about the job (once). `op`:
   the call that needs it, named in the error when a process never comes."""
-  global _nodes, _gpus_shared
+  global _nodes, _gpus_shared, _never_came
   if _nodes is not None:
     return _nodes
+  if _never_came is not None:  # (a second try would wait again, or set the secret twice)
+    raise RuntimeError(_never_came)
   n, me = jax.process_count(), jax.process_index()
   client = ji.distributed_client()
   if n == 1 or client is None:
@@ -72,7 +75,8 @@ def nodes(op: str = "collective") -> list[str]:
     except Exception as e:  # jax.distributed's DEADLINE_EXCEEDED (its error type is private)
       if "DEADLINE_EXCEEDED" not in str(e):
         raise
-      reason = _never_joined(client, op, me, n, timeout)
+      global _never_came
+      reason = _never_came = _never_joined(client, op, me, n, timeout)
       from jax_hoccl import launch  # the launcher, if any, ends the job at once
       launch.report_failure(reason)
       raise RuntimeError(reason) from None
