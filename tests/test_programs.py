@@ -183,6 +183,28 @@ def test_rank_dependent_cond_with_collectives_in_every_branch(algorithm, monkeyp
         _same(a, b, f"{k}[{i}]")
 
 
+def test_rank_dependent_cond_whose_branches_xla_would_order_apart(monkeypatch):
+  """Two independent collectives in each branch, where one branch's `+ 0` folds away: XLA
+  would schedule them in one order in one branch and the other in the other, and ranks in
+  the two branches would wait for each other's second call. Chained in program order in each
+  branch (branches.py), they meet, and equal jax.lax."""
+  monkeypatch.setenv("JAX_HOCCL_TIMEOUT_S", "30")  # a regression times out instead of hanging
+  mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices("cpu")[:2])
+  a = put(mesh, np.arange(32, dtype=np.int32).reshape(4, 8), P("tp"))
+  c = put(mesh, rand(np.random.default_rng(58), (4, 3), np.float16), P("tp"))
+
+  def make(m):
+    def branch(b):
+      return lambda a, c: (m.psum_scatter(a + b, "tp", scatter_dimension=1, tiled=True),
+                           m.ppermute(c + jnp.float16(b), "tp", [(0, 1), (1, 0)]))
+    return jax.jit(jax.shard_map(
+        lambda a, c: jax.lax.cond(jax.lax.axis_index("tp") == 1, branch(1), branch(0), a, c),
+        mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=P("tp")))
+
+  for g, r in zip(make(hc)(a, c), make(jax.lax)(a, c)):
+    _same(g, r)
+
+
 def test_same_inner_jit_called_twice():
   """One inner jitted function called twice (two identical custom calls in one program,
   docs/design.md: rendezvous by sequence number, not call-site id), dependent and independent."""

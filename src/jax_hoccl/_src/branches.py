@@ -7,7 +7,9 @@ branch never met its peers in the other and both timed out, where jax.lax's work
 lowering is wrapped: before jax lowers the branches, the n-th collective of one signature
 (primitive, parameters, input types) in each branch gets one site, shared by all branches,
 which the CPU engine pairs as one instruction (cc/job.h ShareSite); the movers such an op
-lowers to inherit shared sites in the same order (axes.user_op). Collectives whose
+lowers to inherit shared sites in the same order (axes.user_op). And each branch's
+collectives are chained in program order (_in_program_order): XLA would otherwise schedule a
+branch's independent collectives as it likes, each branch its own way. Collectives whose
 signatures differ between the branches still do not meet (jax.lax's would not agree either).
 Not covered: async pairs (their start and done pair by site on GPUs), a cond nested in a
 branch (its own lowering shares its branches' sites, not the outer cond's), and an inner
@@ -15,8 +17,8 @@ jit holding such a cond called twice in one program with both calls independent 
 instances share the site, so XLA:CPU running them in different orders on different devices
 could pair them wrongly).
 
-The GPU engine pairs calls by per-group sequence numbers, which every branch agrees on
-already; sharing sites changes nothing there.
+The GPU engine pairs calls by per-group sequence numbers: sharing sites changes nothing
+there, and the chaining keeps the branches' sequences alike.
 """
 from __future__ import annotations
 
@@ -63,6 +65,24 @@ def _share_sites(branches):
   return tuple(one(b) for b in branches)
 
 
+def _in_program_order(branch):
+  """The branch with each of its collectives (at its top level) reading its first operand
+  through an optimization barrier with the results of the one before, so that XLA runs them
+  in program order: the same order in every branch. Left free, XLA may schedule a branch's
+  independent collectives in another order than its sibling's, and ranks in the two branches
+  would each wait for a call the other makes only later."""
+  eqns, before = [], None
+  for e in branch.jaxpr.eqns:
+    if e.primitive in _pairable:
+      if before is not None and ji.is_variable(e.invars[0]):
+        barrier, x = ji.barrier_eqn(e.invars[0], before)
+        eqns.append(barrier)
+        e = e.replace(invars=[x, *e.invars[1:]])
+      before = e
+    eqns.append(e)
+  return ji.with_eqns(branch, eqns)
+
+
 def _has_collective(branch) -> bool:
   found = []
   ji.map_eqns(branch, lambda e: (found.append(e) if e.primitive in _pairable else None) or e,
@@ -82,7 +102,7 @@ def install() -> None:
     def rule(ctx, index, *args, branches, **params):
       if (params.get("branches_platforms") is None  # (per-platform branches: all ranks alike)
           and sum(_has_collective(b) for b in branches) > 1):
-        branches = _share_sites(branches)
+        branches = tuple(_in_program_order(b) for b in _share_sites(branches))
       jax_own = jax_rule["old"](ctx.module_context.platforms[0])
       return jax_own(ctx, index, *args, branches=branches, **params)
 

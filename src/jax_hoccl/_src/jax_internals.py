@@ -219,6 +219,27 @@ def map_eqns(closed_jaxpr, fn, skip=()):
   return core.ClosedJaxpr(closed_jaxpr.jaxpr.replace(eqns=eqns), closed_jaxpr.consts)
 
 
+def barrier_eqn(x, after):
+  """An equation passing x (a variable) through an optimization barrier with the values of
+  the equation `after`, and the x it yields: whatever reads that x runs after `after`."""
+  from jax._src.lax import lax as lax_internal
+  later = [v for v in after.outvars if not isinstance(v, core.DropVar)]
+  out = core.Var(x.aval)
+  eqn = core.new_jaxpr_eqn([x, *later], [out, *(core.DropVar(v.aval) for v in later)],
+                           lax_internal.optimization_barrier_p, {}, core.no_effects)
+  return eqn, out
+
+
+def is_variable(x) -> bool:
+  """Whether an equation's operand is a variable (not a literal)."""
+  return isinstance(x, core.Var)
+
+
+def with_eqns(closed_jaxpr, eqns):
+  """closed_jaxpr with these equations instead of its own."""
+  return core.ClosedJaxpr(closed_jaxpr.jaxpr.replace(eqns=eqns), closed_jaxpr.consts)
+
+
 def is_static(dim) -> bool:
   """Whether a dimension is a number, not a jax.export symbol."""
   return bool(core.is_constant_dim(dim))
