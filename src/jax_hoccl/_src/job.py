@@ -47,7 +47,7 @@ def timeout_s() -> float:
 def nodes(op: str = "collective") -> list[str]:
   """The node of every process, after telling the C++ engines about the job (once). `op`:
   the call that needs it, named in the error when a process never comes."""
-  global _nodes, _gpus_shared, _never_came
+  global _nodes, _gpus_shared
   if _nodes is not None:
     return _nodes
   if _never_came is not None:  # (a second try would wait again, or set the secret twice)
