@@ -85,8 +85,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
   if to == "reduced" and not ji.check_vma_enabled():
     raise ValueError("jax_hoccl.all_gather: to='reduced' needs shard_map(check_vma=True): "
                      "reduced is a type, which values carry only under check_vma.")
-  vmapped, mesh_axes = common.split_vmap_axes(axis_name, "all_gather")
-  if vmapped or not mesh_axes:  # a vmap axis (see axes.py), or none: jax.lax's
+  if common.lax_takes(axis_name, "all_gather"):  # a vmap axis (see axes.py), or none
     return jax.lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
                               tiled=tiled, to="invarying" if to == "invariant" else to)
   axes, n = axes_lib.check_axes(axis_name, "all_gather")

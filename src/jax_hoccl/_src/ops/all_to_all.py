@@ -69,8 +69,7 @@ def exchange_stacked(x, axes, axis_size, skip_own=False, groups=None):
 def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None, tiled=False):
   """jax.lax.all_to_all on copy engines. Works on pytrees (leaves of one dtype and type in
   one exchange per bucket, buckets.py)."""
-  vmapped, mesh_axes = common.split_vmap_axes(axis_name, "all_to_all")
-  if vmapped or not mesh_axes:  # a vmap axis (see axes.py), or none: jax.lax's
+  if common.lax_takes(axis_name, "all_to_all"):  # a vmap axis (see axes.py), or none
     return jax.lax.all_to_all(x, axis_name, split_axis, concat_axis,
                               axis_index_groups=axis_index_groups, tiled=tiled)
   axes, n = axes_lib.check_axes(axis_name, "all_to_all")

@@ -32,6 +32,14 @@ def split_vmap_axes(axis_name, op: str) -> tuple[tuple, tuple]:
   return vmapped, mesh_axes
 
 
+def lax_takes(axis_name, op: str) -> bool:
+  """Whether jax.lax's collective serves this call whole (split_vmap_axes checked): the
+  axes name a vmap axis (the batch stays on the device), or no axis at all (jax.lax returns
+  the input)."""
+  vmapped, mesh_axes = split_vmap_axes(axis_name, op)
+  return bool(vmapped) or not mesh_axes
+
+
 def sum_leading(x):
   """Sum over axis 0 as a left fold in rank order (x[0] + x[1] + ...), which XLA fuses into
   one elementwise pass. bf16/f16 (and float8) accumulate in f32 and round once. The fixed

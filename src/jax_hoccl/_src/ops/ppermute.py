@@ -95,8 +95,7 @@ def ppermute(x, axis_name, perm):
   if not isinstance(perm, (list, tuple)):  # as jax.lax: a one-shot iterator would be empty on a retrace
     raise TypeError(f"jax_hoccl.ppermute: perm must be a list or a tuple of (source, "
                     f"destination) pairs, got {type(perm).__name__}.")
-  vmapped, mesh_axes = common.split_vmap_axes(axis_name, "ppermute")
-  if vmapped or not mesh_axes:  # a vmap axis (see axes.py), or none: jax.lax's
+  if common.lax_takes(axis_name, "ppermute"):  # a vmap axis (see axes.py), or none
     return jax.lax.ppermute(x, axis_name, perm)
   axes, n = axes_lib.check_axes(axis_name, "ppermute")
   check_axis_order(axes, "ppermute")

@@ -133,8 +133,7 @@ def scatter_result(y, scatter_dimension, tiled):
 def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, tiled=False):
   """jax.lax.psum_scatter with copy-engine data movement. Works on pytrees (leaves of one
   dtype and type in one exchange per bucket, buckets.py)."""
-  vmapped, mesh_axes = common.split_vmap_axes(axis_name, "psum_scatter")
-  if vmapped or not mesh_axes:  # a vmap axis (see axes.py), or none: jax.lax's
+  if common.lax_takes(axis_name, "psum_scatter"):  # a vmap axis (see axes.py), or none
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
                                 axis_index_groups=axis_index_groups, tiled=tiled)
   axes, n = axes_lib.check_axes(axis_name, "psum_scatter")

@@ -28,8 +28,7 @@ def gather_beside_gemms(x, w, axes, n, *, with_rows=False):
   backward pass's; else None)."""
   if n == 1:
     return x @ w, (x if with_rows else None)
-  k = x.shape[-1]
-  gemm = runs_on_cublaslt(x.dtype, k, w.shape[-1])
+  gemm = runs_on_cublaslt(x.dtype, x.shape[-1], w.shape[-1])
   # [n-1, m, ..., K], ranks r+1, r+2, ...; XLA's dot needs pending.input to follow the start,
   # the rows_matmul GEMM takes the token (and x is read again below: no alias, no copy)
   pending = async_collectives.all_gather_start(x, axes, peers_only=True, order_input=not gemm)
@@ -37,9 +36,10 @@ def gather_beside_gemms(x, w, axes, n, *, with_rows=False):
   if gemm:
     # Every GEMM writes its rows straight into their rank's slot of the output: assembling
     # it afterwards (concatenate + roll) would copy the whole output.
-    m = x.size // k  # rows of x as 2-D
+    x2 = common.as_rows(x)
+    m = x2.shape[0]
     slot = dict(out_block_rows=m, out_rows=n * m)
-    out = rows_matmul(x.reshape(m, k), w, axes, n, shift=0, block_rows=0, piece_row0=0,
+    out = rows_matmul(x2, w, axes, n, shift=0, block_rows=0, piece_row0=0,
                       rows=m, after=(pending.token,), **slot)
     others = exchanges.done_after(pending, pending.token, out)  # after the GEMM, not above it
     flat = common.as_rows(others)
