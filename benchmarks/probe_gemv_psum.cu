@@ -91,7 +91,7 @@ int main() {
         StagedKernelArgs a = {};
         a.out = reinterpret_cast<char*>(ranks[r].out);
         a.block = block;
-        a.value = kFlagMark | uint64_t{1} << kFlagOpShift | uint64_t{1} << kFlagSummedShift | block;
+        a.value = kFlagMark | uint64_t{1} << kFlagOpShift | uint64_t{2} << kFlagSumShift | block;
         a.kind = StagedKind::kGather;
         a.n = kRanks;
         a.rank = r;

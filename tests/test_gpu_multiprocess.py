@@ -205,6 +205,9 @@ FAILURE_WORKER = PRELUDE + textwrap.dedent("""
         for _ in range(2):
             if me == 1 and mode == "mismatch":  # the same input, another op at the same point
                 fn(lambda v: jax_hoccl.all_to_all(v, "tp", 0, 0, tiled=True))(x).block_until_ready()
+            elif mode == "mismatch_type":  # psums of as many bytes, bfloat16 on one rank
+                t = jnp.bfloat16 if me == 1 else jnp.float16
+                psum(x.astype(t)).block_until_ready()
             elif mode == "absent_fused":
                 fused(xf).block_until_ready()
             elif mode == "absent_captured":  # the replay's wait is released, the next call raises
@@ -866,7 +869,22 @@ def test_mismatched_calls_are_an_immediate_error(tmp_path, path):
       assert "psum (all_gather) of 16 bytes" in out and "all_to_all of 16 bytes" in out, out[-3000:]
     else:
       # psum's float32 blocks are summed inside the exchange: its flags say psum
-      assert "psum of 16-byte blocks" in out and "all_to_all of 8-byte blocks" in out, out[-3000:]
+      assert "psum of 16-byte blocks of float32" in out, out[-3000:]
+      assert "all_to_all of 8-byte blocks" in out, out[-3000:]
+    assert float(out.split("ERROR after ")[1].split(" s")[0]) < 30
+
+
+@pytest.mark.parametrize("path", ["staged", "staged_packed"])
+def test_sums_of_two_types_of_one_size_are_a_mismatch(tmp_path, path):
+  """bfloat16 on one rank, float16 on the other: as many bytes, but the flags name the type
+  the exchange adds in, so the ranks do not add each other's bits as their own type."""
+  env = {"MODE": "mismatch_type", "JAX_HOCCL_TIMEOUT_S": "30",
+         **MOVERS["packed" if path == "staged_packed" else "exchange_kernel"]}
+  outs = _run(tmp_path, FAILURE_WORKER, 120, env)
+  for out in outs:
+    assert "ERROR after" in out and "mismatched collectives" in out, out[-3000:]
+    assert "psum of 8-byte blocks of bfloat16" in out, out[-3000:]
+    assert "psum of 8-byte blocks of float16" in out, out[-3000:]
     assert float(out.split("ERROR after ")[1].split(" s")[0]) < 30
 
 

@@ -22,11 +22,12 @@ constexpr int kChunkFlags = 32;
 constexpr size_t kChunkBytes = 32 << 10;
 
 // A staged call's flag value (staged_exchange.h: StagedFlagValue), constant per op and size:
-// bit 63 set, bits 48-55 the op + 1, bit 56 summed (psum, psum_scatter), bits 0-47 the block's
-// bytes. The packed exchange's 32-bit flag (packed_kernel.h) repacks the same fields.
+// bit 63 set, bits 48-55 the op + 1, bits 56-57 the type a sum adds in (SumType, plan.h: psum,
+// psum_scatter; 0 for the movers), bits 0-47 the block's bytes. The packed exchange's 32-bit
+// flag (packed_kernel.h) repacks the same fields.
 constexpr uint64_t kFlagMark = uint64_t{1} << 63;
 constexpr int kFlagOpShift = 48;
-constexpr int kFlagSummedShift = 56;
+constexpr int kFlagSumShift = 56;
 constexpr uint64_t kFlagSizeMask = (uint64_t{1} << kFlagOpShift) - 1;
 
 // Host memory the GPU writes and reads (mapped, one per rank state; cuda/rank_state.h).

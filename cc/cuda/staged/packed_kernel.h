@@ -23,24 +23,28 @@ constexpr size_t kPackedChunkBytes = 8 << 10;
 constexpr size_t kPackedMaxBytes = size_t{1} << 23;
 
 // The 32-bit flag of a call from its StagedFlagValue (exchange_kernel.h: kFlagMark): the
-// op, the summed bit and the block's size (under 8 MiB), nonzero; and back, for the
-// watchdog's messages.
+// op (bits 25-30), the sum's type (bits 23-24) and the block's size (under 8 MiB), nonzero;
+// and back, for the watchdog's messages.
 __host__ __device__ constexpr uint32_t PackedFlag(uint64_t value) {
-  return 0x80000000u | static_cast<uint32_t>((value >> kFlagOpShift) & 0x7f) << 24 |
-         static_cast<uint32_t>((value >> kFlagSummedShift) & 1) << 23 |
+  return 0x80000000u | static_cast<uint32_t>((value >> kFlagOpShift) & 0x3f) << 25 |
+         static_cast<uint32_t>((value >> kFlagSumShift) & 3) << 23 |
          static_cast<uint32_t>(value & 0x7fffff);
 }
 __host__ __device__ constexpr uint64_t PackedFlagValue(uint32_t flag) {
-  return flag ? kFlagMark | static_cast<uint64_t>((flag >> 24) & 0x7f) << kFlagOpShift |
-                    static_cast<uint64_t>((flag >> 23) & 1) << kFlagSummedShift | (flag & 0x7fffff)
+  return flag ? kFlagMark | static_cast<uint64_t>((flag >> 25) & 0x3f) << kFlagOpShift |
+                    static_cast<uint64_t>((flag >> 23) & 3) << kFlagSumShift | (flag & 0x7fffff)
               : 0;
 }
 // A value of every field round-trips: the watchdog names the same call either way.
-static_assert(PackedFlagValue(PackedFlag(kFlagMark | uint64_t{5} << kFlagOpShift |
-                                         uint64_t{1} << kFlagSummedShift | 0x7fff10)) ==
-                  (kFlagMark | uint64_t{5} << kFlagOpShift | uint64_t{1} << kFlagSummedShift |
+static_assert(PackedFlagValue(PackedFlag(kFlagMark | uint64_t{3} << kFlagOpShift |
+                                         uint64_t{3} << kFlagSumShift | 0x7fff10)) ==
+                  (kFlagMark | uint64_t{3} << kFlagOpShift | uint64_t{3} << kFlagSumShift |
                    0x7fff10),
-              "PackedFlag keeps the op, the summed bit and the size");
+              "PackedFlag keeps the op, the sum's type and the size");
+// Sums in two types of one size are two flags.
+static_assert(PackedFlag(kFlagMark | uint64_t{2} << kFlagSumShift | 64) !=
+                  PackedFlag(kFlagMark | uint64_t{3} << kFlagSumShift | 64),
+              "PackedFlag tells a bfloat16 sum from a float16 one");
 
 // Whether a call of this kind and block size takes the packed exchange, where the packed
 // slots hold `packed_bytes` of data (0: the path is off). Not a permute: a slot is reused two

@@ -194,21 +194,22 @@ bool StagedEligible(const OpSpec& spec) {
 // The layout: exchange_kernel.h, kFlagMark and the fields after it.
 uint64_t StagedFlagValue(const OpSpec& spec) {
   return kFlagMark | (static_cast<uint64_t>(spec.op) + 1) << kFlagOpShift |
-         static_cast<uint64_t>(spec.sum != SumType::kNone) << kFlagSummedShift |
-         (BlockBytes(spec) & kFlagSizeMask);
+         static_cast<uint64_t>(spec.sum) << kFlagSumShift | (BlockBytes(spec) & kFlagSizeMask);
 }
 
 std::string DescribeStagedFlag(uint64_t value) {
+  static const char* const kSumTypes[] = {"", "float32", "bfloat16", "float16"};
   const int op = static_cast<int>((value >> kFlagOpShift) & 0xff) - 1;
-  const bool summed = (value >> kFlagSummedShift) & 1;
+  const int sum = static_cast<int>((value >> kFlagSumShift) & 3);
   if (!(value & kFlagMark) || op < 0 || op > static_cast<int>(OpKind::kPermute) ||
-      (summed && op == static_cast<int>(OpKind::kPermute)) ||
-      ((value >> (kFlagSummedShift + 1)) & 0x3f))
+      (sum && op == static_cast<int>(OpKind::kPermute)) || ((value >> (kFlagSumShift + 2)) & 0x1f))
     return "an unknown call (flag " + std::to_string(value) + ")";
-  const char* name = !summed ? OpName(static_cast<OpKind>(op))
-                     : static_cast<OpKind>(op) == OpKind::kAllGather ? "psum"
-                                                                     : "psum_scatter";
-  return std::string(name) + " of " + std::to_string(value & kFlagSizeMask) + "-byte blocks";
+  if (!sum)
+    return std::string(OpName(static_cast<OpKind>(op))) + " of " +
+           std::to_string(value & kFlagSizeMask) + "-byte blocks";
+  const char* name = static_cast<OpKind>(op) == OpKind::kAllGather ? "psum" : "psum_scatter";
+  return std::string(name) + " of " + std::to_string(value & kFlagSizeMask) + "-byte blocks of " +
+         kSumTypes[sum];
 }
 
 ExecStatus RunStaged(Communicator& comm, RankState& st, const OpSpec& spec, cudaStream_t stream,
