@@ -55,7 +55,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -8
 if [ "$PHASE" = staged ]; then
   echo "== the staged path's GPU tests (2 and 4 processes under MPS, CUDA graphs, an absent peer)"
   timeout 300 $PY -m pytest tests/test_gpu_multiprocess.py -q -p no:cacheprovider -k \
-    "cuda_graphs or captured_call or packed or (staged_path_under_mps and exchange_kernel)" 2>&1 |
+    "(cuda_graphs or captured_call or packed or (staged_path_under_mps and exchange_kernel)) and not mismatch" 2>&1 |
     tee "$OUTDIR/staged_tests.log" | grep -E "TIME|passed|failed|Error" | tail -12
   SUMMARY+=("staged tests: $(grep -E '(passed|failed|error)' "$OUTDIR/staged_tests.log" | tail -1)")
   echo "== steps of small layers and decode across processes, 2 and 4 ranks under MPS"
