@@ -251,6 +251,34 @@ def test_psum_float8():
       assert_sum_matches(got, ref, name=f"{dt} {algorithm}")
 
 
+def test_ppermute_fills_as_jax_lax_in_a_type_without_zero():
+  """A rank nobody sends to gets convert(0) of the type, as in jax.lax: in float8_e8m0fnu,
+  which has no zero, that is NaN (0xff), not the zero bytes the exchange leaves (2**-127)."""
+  rng = np.random.default_rng(62)
+  x = put(MESH1, np.exp2(rng.integers(-8, 8, (16, 4))).astype(jnp.float8_e8m0fnu))
+  perm = [(0, 3), (5, 1), (2, 2)]
+  got, want = (jax.jit(jax.shard_map(lambda a, m=m: m.ppermute(a, "x", perm), mesh=MESH1,
+                                     in_specs=P("x"), out_specs=P("x")))(x) for m in (hc, jax.lax))
+  np.testing.assert_array_equal(to_np(got).view(np.uint8), to_np(want).view(np.uint8))
+  assert (to_np(got).view(np.uint8) == 0xff).any()
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no-vma"])
+@pytest.mark.parametrize("op", ["psum", "pmax", "pmin", "pmean"])
+def test_all_reduce_of_a_weak_type_types_as_jax_lax(op, check_vma):
+  """A weakly typed input (a Python float times axis_index): the result is weak as jax.lax's
+  is (under check_vma=True) or not (False), so adding bfloat16 to it gives jax.lax's type."""
+  x = put(MESH1, np.ones((8, 2), jnp.bfloat16))
+
+  def make(m):
+    return jax.jit(jax.shard_map(
+        lambda a: getattr(m, op)(jax.lax.axis_index("x") * 1.5, "x") + a, mesh=MESH1,
+        in_specs=P("x"), out_specs=P("x"), check_vma=check_vma))
+  got, want = make(hc)(x), make(jax.lax)(x)
+  assert got.dtype == want.dtype
+  np.testing.assert_array_equal(to_np(got).astype(np.float32), to_np(want).astype(np.float32))
+
+
 # ------------------------------------------------------------------------ every dtype
 DTYPE_CASES = {
     "all_gather": (lambda t, a: hc.all_gather(t, a, axis=1, tiled=True),

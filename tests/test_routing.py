@@ -113,3 +113,60 @@ def test_switch_applies_to_what_was_not_lowered_before():
     assert "hoccl_" in jax.jit(make(3.0)).lower(x).as_text()
   finally:
     hc.route_collectives(was)
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no-vma"])
+def test_routed_collectives_in_rank_dependent_branches(check_vma, monkeypatch):
+  """Each rank takes the branch its axis index picks, and the branches call jax.lax's
+  collectives (two in one branch, in the order XLA might swap; a switch of three; a gradient,
+  whose transpose JAX inserts): routed, the ranks meet across branches (branches.py pairs
+  them, as it pairs jax_hoccl's own) and the values equal the unrouted program's."""
+  monkeypatch.setenv("JAX_HOCCL_TIMEOUT_S", "30")  # a regression times out instead of hanging
+  rng = np.random.default_rng(61)
+  x = jax.device_put(rng.standard_normal((16, 8)).astype(np.float32),
+                     NamedSharding(MESH, P(("x", "y"))))
+
+  def body(v):
+    r = jax.lax.axis_index("y")
+    a, b = jax.lax.cond(r % 2 == 0,
+                        lambda v: (jax.lax.psum(v, "y") * 2, jax.lax.ppermute(v, "y", SHIFT)),
+                        lambda v: (jax.lax.psum(v + 0, "y") - 1,
+                                   jax.lax.ppermute(v, "y", SHIFT) + 1), v)
+    c = jax.lax.switch(r % 3, [lambda v: jax.lax.pmax(v, "y"),
+                               lambda v: jax.lax.pmax(v, "y") * 3,
+                               lambda v: jax.lax.pmax(v, "y") + 1], a + b)
+    g = jax.lax.cond(r < 2, jax.grad(lambda v: jnp.sum(jax.lax.all_gather(v, "y", tiled=True)
+                                                         ** 2)),
+                     jax.grad(lambda v: jnp.sum(jnp.sin(jax.lax.all_gather(v, "y", tiled=True)))),
+                     c)
+    return a, b, c, g
+
+  want = _program(body, check_vma)(x)
+  was = hc.route_collectives()
+  try:
+    routed = _program(body, check_vma)
+    text = routed.lower(x).as_text()
+    for c in XLA_COLLECTIVES:
+      assert c not in text, c
+    got = routed(x)
+  finally:
+    hc.route_collectives(was)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_routed_psum_scatter_of_bool_fails_as_jax_lax():
+  """jax.lax refuses a psum_scatter of bool (its sum does not take bool); routed, the same
+  error, not a program that fails to verify (jax_hoccl would sum it as int32)."""
+  x = jax.device_put(np.ones((64, 8), bool), NamedSharding(MESH, P(("x", "y"))))
+  f = jax.shard_map(lambda v: jax.lax.psum_scatter(v, "y", tiled=True), mesh=MESH,
+                    in_specs=P(("x", "y")), out_specs=P(("x", "y")))
+  with pytest.raises(TypeError) as want:
+    jax.jit(f)(x)
+  was = hc.route_collectives()
+  try:
+    with pytest.raises(TypeError) as got:
+      jax.jit(f).lower(x)
+  finally:
+    hc.route_collectives(was)
+  assert str(got.value) == str(want.value)

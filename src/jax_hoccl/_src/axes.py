@@ -172,9 +172,13 @@ _derived: dict[tuple[int, int], int] = {}  # (shared site, k) -> its k-th inner 
 def user_op(name: str, site: int | None = None):
   """Sites made inside (e.g. psum's lowering, which runs on all_gather) are reported in
   errors as the op the user called. When `site` (the op's own) is shared by cond branches,
-  the k-th site made inside is the same in every branch, and shared too."""
+  the k-th site made inside is the same in every branch, and shared too; an op without a
+  site of its own inside such an op counts on in the enclosing one's scope."""
   _user_ops.append(name)
-  _scopes.append([site, 0] if site in _shared else None)
+  if site in _shared:
+    _scopes.append([site, 0])
+  else:
+    _scopes.append(_scopes[-1] if site is None and _scopes else None)
   try:
     yield
   finally:

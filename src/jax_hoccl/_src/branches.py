@@ -11,6 +11,8 @@ lowers to inherit shared sites in the same order (axes.user_op). And each branch
 collectives are chained in program order (_in_program_order): XLA would otherwise schedule a
 branch's independent collectives as it likes, each branch its own way. Collectives whose
 signatures differ between the branches still do not meet (jax.lax's would not agree either).
+jax.lax's collectives that route_collectives() takes get their sites here first
+(routing.in_branches, a rewrite registered with register).
 Not covered: async pairs (their start and done pair by site on GPUs), a cond nested in a
 branch (its own lowering shares its branches' sites, not the outer cond's), and an inner
 jit holding such a cond called twice in one program with both calls independent (the
@@ -28,14 +30,20 @@ from jax_hoccl._src import axes as axes_lib
 from jax_hoccl._src import jax_internals as ji
 
 _pairable = set()  # the primitives of collectives that may be paired across branches
+_rewrites = []  # functions each branch goes through first (routing.in_branches)
 _lock = threading.Lock()
 _installed = False
 
 
-def register(prim) -> None:
-  """A collective primitive (with a `site` parameter) whose calls are paired across branches;
-  the first registration wraps jax's cond lowering (install)."""
-  _pairable.add(prim)
+def register(prim, rewrite=None) -> None:
+  """A collective primitive (with a `site` parameter) whose calls are paired across branches,
+  and `rewrite`: a function each branch goes through first that may make such calls (of
+  collectives that have no site until then); the first registration wraps jax's cond lowering
+  (install)."""
+  with _lock:
+    _pairable.add(prim)
+    if rewrite is not None and rewrite not in _rewrites:
+      _rewrites.append(rewrite)
   install()
 
 
@@ -100,6 +108,8 @@ def install() -> None:
     jax_rule = {}
 
     def rule(ctx, index, *args, branches, **params):
+      for rewrite in _rewrites:
+        branches = tuple(rewrite(b) for b in branches)
       if (params.get("branches_platforms") is None  # (per-platform branches: all ranks alike)
           and sum(_has_collective(b) for b in branches) > 1):
         branches = tuple(_in_program_order(b) for b in _share_sites(branches))

@@ -159,6 +159,12 @@ def lax_collective_primitives() -> dict:
   return prims
 
 
+def register_lowering_as_is(prim, rule):
+  """Registers prim's lowering on every platform as it is (the routed collectives' rules,
+  which choose between jax_hoccl and XLA themselves)."""
+  mlir.register_lowering(prim, rule)
+
+
 def swap_lowering(prim, rule):
   """Replaces prim's lowering on every platform (the generic one and the platform-specific
   ones jax registers, e.g. all_gather's for cuda); returns (old(platform): the rule it had

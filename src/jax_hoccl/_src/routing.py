@@ -7,6 +7,11 @@ is a primitive; the switch gives it, inside shard_map, a lowering that runs the 
 of the same meaning (jax_internals.LAX_COLLECTIVES). Programs lowered before the switch keep
 what they were compiled with.
 
+In the branches of a cond (of which each rank may take another), a routed collective is
+first made a `hoccl_routed` equation with a call site of its own (in_branches), so that
+branches.py pairs it across the branches and keeps the branch's collectives in program order
+as it does jax_hoccl's own.
+
 Where jax_hoccl has nothing to add or cannot take the call, the collective stays XLA's: no
 concrete mesh (pmap, a nested shard_map), axes that are not mesh axes, or an input the
 jax_hoccl op refuses at trace time (a sub-byte dtype, say). jax_hoccl's own ops fall back on
@@ -18,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from jax_hoccl._src import axes as axes_lib
+from jax_hoccl._src import branches
 from jax_hoccl._src import jax_internals as ji
 
 _lock = threading.Lock()
@@ -90,13 +97,64 @@ def _lowering_for(name, multiple, fn):
       mesh = None
     if mesh is None or not all(a in mesh.axis_names for a in _axis_names(params)):
       return xla(ctx, *args, **params)
+    def routed(*xs):
+      out = fn(*xs, **params)
+      types = [o.dtype for o in (out if multiple else [out])]
+      if types != [a.dtype for a in ctx.avals_out]:  # (psum_scatter of bool: jax.lax refuses)
+        raise TypeError(f"jax_hoccl gives {types} for jax.lax's {name} of {ctx.avals_out}")
+      return out
+
     with _routing():
       try:
-        return ji.lower_fun(lambda *xs: fn(*xs, **params), multiple_results=multiple)(ctx, *args)
+        return ji.lower_fun(routed, multiple_results=multiple)(ctx, *args)
       except (ValueError, TypeError, NotImplementedError):
-        # refused at trace time by the jax_hoccl op (nothing was emitted): XLA's, as before
+        # refused at trace time by the jax_hoccl op, or of another type than jax.lax's result
+        # (nothing was emitted): XLA's, as before
         return xla(ctx, *args, **params)
   return lowering
+
+
+# A routed collective inside a cond's branch: the jax.lax primitive `name` with its `params`
+# (sorted items) and a call site, which branches.py shares across the branches. Made only
+# while lowering a cond (in_branches); it lowers as the routed primitive would, its sites
+# made in the scope of its own.
+routed_p = ji.Primitive("hoccl_routed")
+routed_p.multiple_results = True
+
+
+def _routed_abstract_eval(*avals, name, params, site):
+  del site
+  out, effects = ji.lax_collective_primitives()[name].abstract_eval(*avals, **dict(params))
+  return (list(out) if isinstance(out, (list, tuple)) else [out]), effects
+
+
+routed_p.def_effectful_abstract_eval(_routed_abstract_eval)
+
+
+def _routed_lowering(ctx, *args, name, params, site):
+  multiple, fn = _ops()[name]
+  with axes_lib.user_op(name, site):
+    return _lowering_for(name, multiple, fn)(ctx, *args, **dict(params))
+
+
+ji.register_lowering_as_is(routed_p, _routed_lowering)
+
+
+def in_branches(branch):
+  """The branch (a closed jaxpr) with each routed collective a routed_p equation of a site of
+  its own; as it was while the switch is off."""
+  if not _restore:
+    return branch
+  names = {prim: name for name, prim in ji.lax_collective_primitives().items() if name in _xla}
+
+  def wrap(eqn):
+    if eqn.primitive not in names:
+      return eqn
+    params = tuple(sorted(eqn.params.items()))
+    return eqn.replace(primitive=routed_p, params={
+        "name": names[eqn.primitive], "params": params, "site": axes_lib.new_site()})
+
+  return ji.map_eqns(branch, wrap, skip=(ji.cond_primitive(),))
 
 
 def route_collectives(enabled: bool = True) -> bool:
@@ -106,6 +164,7 @@ def route_collectives(enabled: bool = True) -> bool:
   with _lock:
     was = bool(_restore)
     if enabled and not was:
+      branches.register(routed_p, rewrite=in_branches)
       prims = ji.lax_collective_primitives()
       for name, (multiple, fn) in _ops().items():
         _xla[name], restore = ji.swap_lowering(prims[name], _lowering_for(name, multiple, fn))

@@ -112,11 +112,12 @@ def summable(x, op):
 
 def reduced_type(x, axes, op):
   """The type of an all-reduce's result (psum, pmax): x's, invariant over `axes`, which x
-  must vary over (check_vma=True)."""
+  must vary over (check_vma=True). As jax.lax's, weakly typed only under check_vma=True."""
   vma = ji.varying_axes(x)
   if ji.check_vma_enabled() and not set(axes) <= vma:
     raise ValueError(f"jax_hoccl {op}: input must be varying over {axes}, got {set(vma)}")
-  return ji.with_type(x, x.shape, vma - set(axes))
+  out = ji.with_type(x, x.shape, vma - set(axes))
+  return out if ji.check_vma_enabled() else out.update(weak_type=False)
 
 
 # Manual-axis types (check_vma=True) of a collective's input over its axes, as jax.lax names

@@ -109,9 +109,21 @@ def ppermute(x, axis_name, perm):
     return common.ensure_varying(leaf, axes, "ppermute")
 
   def one(leaf):
-    return ppermute_p.bind(leaf, axes=axes, axis_size=n, perm=perm, site=axes_lib.new_site())
+    out = ppermute_p.bind(leaf, axes=axes, axis_size=n, perm=perm, site=axes_lib.new_site())
+    return _unsent_as_zero(out, axes, perm, n)
 
   return buckets.elementwise(x, prepare, one)
+
+
+def _unsent_as_zero(out, axes, perm, n):
+  """out where a rank receives, else the type's zero as jax.lax writes it (convert(0)). The
+  exchange leaves zero bytes, which only a type without a zero reads as another value
+  (float8_e8m0fnu: 0 converts to NaN, zero bytes are 2**-127)."""
+  receivers = sorted({dst for _, dst in perm})
+  if np.asarray(0, out.dtype).tobytes() == bytes(out.dtype.itemsize) or len(receivers) == n:
+    return out
+  lands = jnp.isin(common.rank(axes), jnp.asarray(receivers))
+  return jnp.where(lands, out, jnp.zeros((), out.dtype))
 
 
 def _across_nodes(x, *, axes, perm, mesh_order, sizes, **_):
