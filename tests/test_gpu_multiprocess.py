@@ -206,8 +206,7 @@ FAILURE_WORKER = PRELUDE + textwrap.dedent("""
             if me == 1 and mode == "mismatch":  # the same input, another op at the same point
                 fn(lambda v: jax_hoccl.all_to_all(v, "tp", 0, 0, tiled=True))(x).block_until_ready()
             elif mode == "mismatch_type":  # psums of as many bytes, bfloat16 on one rank
-                t = jnp.bfloat16 if me == 1 else jnp.float16
-                psum(x.astype(t)).block_until_ready()
+                psum(shard(np.ones(4, jnp.bfloat16 if me == 1 else np.float16))).block_until_ready()
             elif mode == "absent_fused":
                 fused(xf).block_until_ready()
             elif mode == "absent_captured":  # the replay's wait is released, the next call raises
@@ -877,8 +876,10 @@ def test_mismatched_calls_are_an_immediate_error(tmp_path, path):
 @pytest.mark.parametrize("path", ["staged", "staged_packed"])
 def test_sums_of_two_types_of_one_size_are_a_mismatch(tmp_path, path):
   """bfloat16 on one rank, float16 on the other: as many bytes, but the flags name the type
-  the exchange adds in, so the ranks do not add each other's bits as their own type."""
+  the exchange adds in, so the ranks do not add each other's bits as their own type. (The
+  ranks compile different programs: XLA's sharded autotuning would wait for the other's.)"""
   env = {"MODE": "mismatch_type", "JAX_HOCCL_TIMEOUT_S": "30",
+         "XLA_FLAGS": "--xla_gpu_shard_autotuning=false",
          **MOVERS["packed" if path == "staged_packed" else "exchange_kernel"]}
   outs = _run(tmp_path, FAILURE_WORKER, 120, env)
   for out in outs:
