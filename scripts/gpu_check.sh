@@ -4,8 +4,9 @@
 # and print a short summary table last. The logs and the new results JSON go to
 # /tmp/jax_hoccl_gpu_check, and as one archive, gpu_check.tar.gz, to $OUT when it is set.
 #   bash scripts/gpu_check.sh [--quick | --no-bench | --bench-only | --fused-only | --staged |
-#                               --per-call | --decode]
-# --staged (one GPU, about 8 minutes): the staged path's GPU tests under MPS, bench --steps;
+#                               --steps | --per-call | --decode]
+# --staged (one GPU, about 6 minutes): the staged path's GPU tests under MPS (their failure
+# reports among them); --steps (one GPU, about 5 minutes): bench --steps;
 # --per-call (one GPU, about 5 minutes): bench --processes; --decode (one GPU, about 6
 # minutes): decode's GEMV inside the psum (JAX_HOCCL_GEMV_PSUM=1) without JAX
 # (benchmarks/probe_gemv_psum.cu), its GPU tests, its decode rows (bench --steps --decode),
@@ -25,6 +26,7 @@ case "$QUICK" in
   --no-bench) PHASE=tests; QUICK="";;
   --fused-only) PHASE=bench; QUICK="--fused-only";;  # build + the fused section (~1 min)
   --staged) PHASE=staged; QUICK="";;
+  --steps) PHASE=steps; QUICK="";;
   --per-call) PHASE=per_call; QUICK="";;
   --decode) PHASE=decode; QUICK="";;
 esac
@@ -53,13 +55,21 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -8
 
 if [ "$PHASE" = staged ]; then
-  echo "== the staged path's GPU tests (2 and 4 processes under MPS, CUDA graphs, an absent peer)"
-  timeout 300 $PY -m pytest tests/test_gpu_multiprocess.py -q -p no:cacheprovider -k \
-    "(cuda_graphs or captured_call or packed or (staged_path_under_mps and exchange_kernel)) and not mismatch" 2>&1 |
-    tee "$OUTDIR/staged_tests.log" | grep -E "TIME|passed|failed|Error" | tail -12
+  echo "== the staged path's GPU tests (2 and 4 processes under MPS, CUDA graphs, an absent peer, mismatches)"
+  timeout 500 $PY -m pytest tests/test_gpu_multiprocess.py -v -p no:cacheprovider -k \
+    "cuda_graphs or captured_call or packed or mismatch or (staged_path_under_mps and exchange_kernel)" 2>&1 |
+    tee "$OUTDIR/staged_tests.log" | grep -E "TIME|PASSED|FAILED|passed|failed|Error" | tail -30
   SUMMARY+=("staged tests: $(grep -E '(passed|failed|error)' "$OUTDIR/staged_tests.log" | tail -1)")
+  collect
+  echo
+  echo "================ summary ================"
+  printf '%s\n' "${SUMMARY[@]}"
+  exit 0
+fi
+
+if [ "$PHASE" = steps ]; then
   echo "== steps of small layers and decode across processes, 2 and 4 ranks under MPS"
-  timeout 360 $PY -m jax_hoccl.bench --steps --out benchmarks/results 2>&1 |
+  timeout 480 $PY -m jax_hoccl.bench --steps --out benchmarks/results 2>&1 |
     tee "$OUTDIR/steps.log" | grep -E "^(step|chain|decode)"
   collect
   echo
