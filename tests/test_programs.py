@@ -205,6 +205,40 @@ def test_rank_dependent_cond_whose_branches_xla_would_order_apart(monkeypatch):
     _same(g, r)
 
 
+def test_rank_dependent_cond_whose_chaining_xla_could_drop(monkeypatch):
+  """An all_to_all and two psums of one input in each branch, the first psum's result doubled
+  in one branch only: with the previous results not read from the barrier that chains the
+  psums, XLA:CPU dropped it in one branch, the branches ran the psums in other orders and the
+  ranks timed out. Equal to the same values without a cond, jax_hoccl's ops and jax.lax's
+  routed."""
+  monkeypatch.setenv("JAX_HOCCL_TIMEOUT_S", "30")  # a regression times out instead of hanging
+  mesh = jax.make_mesh((2,), ("i",), devices=jax.devices("cpu")[:2])
+  x = put(mesh, rand(np.random.default_rng(63), (8, 2), np.float32), P("i"))
+
+  def make(m, cond=True):
+    def body(v):
+      r = jax.lax.axis_index("i")
+      a2a = lambda v: m.all_to_all(v, "i", 0, 1, tiled=True)
+      if not cond:
+        a, b, c = a2a(v), m.psum(v, "i"), m.psum(v, "i")
+        return a, jnp.where(r == 0, b, b * 2), c
+      return jax.lax.cond(r == 0, lambda v: (a2a(v), m.psum(v, "i"), m.psum(v, "i")),
+                          lambda v: (a2a(v), m.psum(v, "i") * 2, m.psum(v, "i")), v)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
+                                 check_vma=False))
+
+  want = make(hc, cond=False)(x)
+  for g, w in zip(make(hc)(x), want):
+    _same(g, w)
+  was = hc.route_collectives()
+  try:
+    got = make(jax.lax)(x)
+  finally:
+    hc.route_collectives(was)
+  for g, w in zip(got, want):
+    _same(g, w)
+
+
 def test_same_inner_jit_called_twice():
   """One inner jitted function called twice (two identical custom calls in one program,
   docs/design.md: rendezvous by sequence number, not call-site id), dependent and independent."""

@@ -78,17 +78,34 @@ def _in_program_order(branch):
   through an optimization barrier with the results of the one before, so that XLA runs them
   in program order: the same order in every branch. Left free, XLA may schedule a branch's
   independent collectives in another order than its sibling's, and ranks in the two branches
-  would each wait for a call the other makes only later."""
-  eqns, before = [], None
-  for e in branch.jaxpr.eqns:
-    if e.primitive in _pairable:
-      if before is not None and ji.is_variable(e.invars[0]):
-        barrier, x = ji.barrier_eqn(e.invars[0], before)
-        eqns.append(barrier)
-        e = e.replace(invars=[x, *e.invars[1:]])
-      before = e
-    eqns.append(e)
-  return ji.with_eqns(branch, eqns)
+  would each wait for a call the other makes only later. The barrier comes as early as its
+  operand allows, and every later reader of the previous results reads them from it: a
+  barrier output nobody reads, XLA:CPU drops (in one branch and not the other), and the
+  order with it."""
+  eqns = branch.jaxpr.eqns
+  defined = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+  colls = [i for i, e in enumerate(eqns) if e.primitive in _pairable]
+  barriers = {}  # eqn index -> [(previous collective, next collective)] to chain after it
+  for prev, nxt in zip(colls, colls[1:]):
+    if ji.is_variable(eqns[nxt].invars[0]):
+      at = max(prev, defined.get(eqns[nxt].invars[0], -1))
+      barriers.setdefault(at, []).append((prev, nxt))
+  out, renamed, operand = [], {}, {}
+
+  def read(v):
+    return renamed.get(v, v) if ji.is_variable(v) else v
+
+  for i, e in enumerate(eqns):
+    invars = [read(v) for v in e.invars]
+    if i in operand:
+      invars[0] = operand[i]
+    out.append(e.replace(invars=invars))
+    for prev, nxt in barriers.get(i, ()):
+      barrier, x, passed = ji.barrier_eqn(read(eqns[nxt].invars[0]), eqns[prev])
+      out.append(barrier)
+      operand[nxt] = x
+      renamed.update(passed)
+  return ji.with_eqns(branch, out, [read(v) for v in branch.jaxpr.outvars])
 
 
 def _has_collective(branch) -> bool:

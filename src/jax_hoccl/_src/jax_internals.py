@@ -226,14 +226,16 @@ def map_eqns(closed_jaxpr, fn, skip=()):
 
 
 def barrier_eqn(x, after):
-  """An equation passing x (a variable) through an optimization barrier with the values of
-  the equation `after`, and the x it yields: whatever reads that x runs after `after`."""
+  """An equation passing x (a variable) and the values of the equation `after` through an
+  optimization barrier; the x it yields (whatever reads it runs after `after`), and
+  {value of `after`: the one it yields}. Readers of `after`'s values must read the yielded
+  ones: an output nobody reads, XLA may drop from the barrier, and its order with it."""
   from jax._src.lax import lax as lax_internal
-  later = [v for v in after.outvars if not isinstance(v, core.DropVar)]
-  out = core.Var(x.aval)
-  eqn = core.new_jaxpr_eqn([x, *later], [out, *(core.DropVar(v.aval) for v in later)],
-                           lax_internal.optimization_barrier_p, {}, core.no_effects)
-  return eqn, out
+  values = [v for v in after.outvars if not isinstance(v, core.DropVar)]
+  out, passed = core.Var(x.aval), [core.Var(v.aval) for v in values]
+  eqn = core.new_jaxpr_eqn([x, *values], [out, *passed], lax_internal.optimization_barrier_p,
+                           {}, core.no_effects)
+  return eqn, out, dict(zip(values, passed))
 
 
 def is_variable(x) -> bool:
@@ -241,9 +243,12 @@ def is_variable(x) -> bool:
   return isinstance(x, core.Var)
 
 
-def with_eqns(closed_jaxpr, eqns):
-  """closed_jaxpr with these equations instead of its own."""
-  return core.ClosedJaxpr(closed_jaxpr.jaxpr.replace(eqns=eqns), closed_jaxpr.consts)
+def with_eqns(closed_jaxpr, eqns, outvars=None):
+  """closed_jaxpr with these equations (and outputs) instead of its own."""
+  jaxpr = closed_jaxpr.jaxpr.replace(eqns=eqns)
+  if outvars is not None:
+    jaxpr = jaxpr.replace(outvars=outvars)
+  return core.ClosedJaxpr(jaxpr, closed_jaxpr.consts)
 
 
 def is_static(dim) -> bool:
