@@ -11,7 +11,8 @@ the next, the ratio much less), and the median of the rounds' ratios is reported
 spread, (max - min) / median of those ratios.
 
   python benchmarks/probe_walk_cost.py [--m 4096,16384] [--ranks 2,4] [--rounds 12]
-      [--calls 5] [--groups 1,2] [--bands 8,16] [--compare-at 4096] [--paired] [--json OUT.json]
+      [--calls 5] [--groups 1,2] [--bands 8,16] [--waits sys,none,gpu] [--compare-at 4096]
+      [--paired] [--json OUT.json]
 
 --paired runs XLA's dot and the program back to back in one jit and takes each call's ratio
 of their kernels (the program's kernels named as when it runs alone, the dot the longest of
@@ -23,6 +24,11 @@ median of its calls'; the rows say "paired": true.
 those row tiles per band (flagged_gemm.BAND_TILES), each beside the module's other setting, at
 the M of --compare-at (elsewhere the module's own); the rows say which ("claim_group",
 "band_tiles").
+
+--waits measures each walk with its tiles' waits for their ready flags as the kernel has them
+("sys": a system-scope acquire), taken out ("none": right here only, where every flag is up
+before the kernel), or with a GPU-scope acquire ("gpu"), at the M of --compare-at: what the
+waits cost of a walk's time. The rows say which ("waits").
 """
 import argparse
 import concurrent.futures
@@ -68,16 +74,36 @@ def plain_programs(x, w, c):
           lambda x, w, c: fg.flagged_matmul(x, w, out=c, add=True)), (x, w, c))}
 
 
-def walk_programs(x, w, c, n, group, band):
-  """The three walks for n ranks (rank 0), with `group` tiles per claim and bands of `band`
-  row tiles."""
+def _await_at_gpu_scope(flag_ref, value):
+  """fg._await_flag with a GPU-scope acquire (--waits gpu)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax.experimental.mosaic import gpu as mgpu
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def wait(_, ref):
+    mgpu.utils.SemaphoreRef(mgpu.utils.memref_ptr(ref)).wait(
+        value, decrement=False, memory_scope="gpu")
+    mgpu.utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+
+  wait(flag_ref)
+
+
+# --waits: the flagged_gemm module's _await_flag for each (None: its own)
+WAITS = {"sys": None, "none": lambda flag_ref, value: None, "gpu": _await_at_gpu_scope}
+
+
+def walk_programs(x, w, c, n, group, band, waits="sys"):
+  """The three walks for n ranks (rank 0), with `group` tiles per claim, bands of `band`
+  row tiles, and their tiles' waits as `waits` (WAITS)."""
   m_total = x.shape[0]
   m = m_total // n
   own, gathered = x[:m], x[m:]
   one = jnp.ones((), jnp.int32)
   count = (n - 1) * m // gig.READY_ROWS
-  tag = f" n={n} G={group} B={band}"
+  tag = f" n={n} G={group} B={band}" + ("" if waits == "sys" else f" waits={waits}")
   settings = {"CLAIM_GROUP": group, "BAND_TILES": band}
+  if WAITS[waits] is not None:
+    settings["_await_flag"] = WAITS[waits]
   p = {f"all_gather_matmul walk{tag}": ("all_gather_matmul", n, settings, jax.jit(
       lambda own, g, w, one: fg.walk_matmul(
           w, [own, g], gig.walk(n), m, result=(n * m, bf), rank=0, ready=ones_ready(one, count),
@@ -188,6 +214,7 @@ def main(argv=None):
   ap.add_argument("--calls", type=int, default=5)
   ap.add_argument("--groups", default="", help="tiles per claim to compare, e.g. 1,2")
   ap.add_argument("--bands", default="", help="row tiles per band to compare, e.g. 8,16")
+  ap.add_argument("--waits", default="", help="waits to compare, e.g. sys,none,gpu")
   ap.add_argument("--compare-at", default="4096", help="the M where they are compared")
   ap.add_argument("--paired", action="store_true",
                   help="each call beside XLA's dot in one jit (see above)")
@@ -196,7 +223,9 @@ def main(argv=None):
   own = (fg.CLAIM_GROUP, fg.BAND_TILES)
   compared = ([(int(g), own[1]) for g in a.groups.split(",") if g]
               + [(own[0], int(b)) for b in a.bands.split(",") if b])
-  compared = list(dict.fromkeys(compared)) or [own]  # (claim group, band), each once
+  compared = [c + ("sys",) for c in dict.fromkeys(compared)] or [own + ("sys",)]
+  compared += [own + (v,) for v in a.waits.split(",") if v and v != "sys"]
+  # (claim group, band, waits), each once
   compare_at = {int(m) for m in a.compare_at.split(",") if m}
   key = jax.random.split(jax.random.key(0), 3)
   w = (jax.random.normal(key[0], (K, N), jnp.float32) / np.sqrt(K)).astype(bf)
@@ -206,8 +235,8 @@ def main(argv=None):
     c = jax.random.normal(key[2], (m_total, N), bf)
     progs = plain_programs(x, w, c)
     for n in [int(r) for r in a.ranks.split(",")]:
-      for g, b in (compared if m_total in compare_at else [own]):
-        progs.update(walk_programs(x, w, c, n, g, b))
+      for g, b, v in (compared if m_total in compare_at else [own + ("sys",)]):
+        progs.update(walk_programs(x, w, c, n, g, b, v))
     exes = compile_all(progs)
     # every tile computed once, whatever claimed it: the gather walk's product is x @ w
     ref = exes["xla dot"](x, w).astype(jnp.float32)
@@ -238,8 +267,11 @@ def main(argv=None):
       rows.append(dict(op=op, m=m_total, k=K, n=N, ranks=n, ratio_to_xla_dot=ratio,
                        spread=spread, time_us=t_us, xla_dot_us=statistics.median(t_xla),
                        claim_group=settings.get("CLAIM_GROUP"),
-                       band_tiles=settings.get("BAND_TILES"), rounds=a.rounds, calls=a.calls,
-                       paired=a.paired))
+                       band_tiles=settings.get("BAND_TILES"),
+                       waits=next((v for v, f in WAITS.items()
+                                   if f is settings.get("_await_flag")), None)
+                       if op not in ("flagged_matmul", "flagged_matmul_add") else None,
+                       rounds=a.rounds, calls=a.calls, paired=a.paired))
     del exes, progs
     if a.json:  # after each M: a run cut short keeps what it measured
       write_json(a.json, rows)
