@@ -11,7 +11,7 @@ the next, the ratio much less), and the median of the rounds' ratios is reported
 spread, (max - min) / median of those ratios.
 
   python benchmarks/probe_walk_cost.py [--m 4096,16384] [--ranks 2,4] [--rounds 12]
-      [--calls 5] [--groups 1,2] [--bands 8,16] [--waits sys,none,gpu] [--compare-at 4096]
+      [--calls 5] [--compare BAND_TILES=8,16 ...] [--waits sys,none,gpu] [--compare-at 4096]
       [--paired] [--json OUT.json]
 
 --paired runs XLA's dot and the program back to back in one jit and takes each call's ratio
@@ -20,10 +20,11 @@ the others): the two see the same clocks, where rounds of each in turn saw clock
 between them (at M = 16384 the rounds' ratios spread 6-8%). A round's ratio is then the
 median of its calls'; the rows say "paired": true.
 
---groups measures each walk with those tiles per claim (flagged_gemm.CLAIM_GROUP), --bands with
-those row tiles per band (flagged_gemm.BAND_TILES), each beside the module's other setting, at
-the M of --compare-at (elsewhere the module's own); the rows say which ("claim_group",
-"band_tiles").
+--compare NAME=V1,V2 measures each walk, and the kernel adding into its output, with each of
+those values of the flagged_gemm module's NAME (ints, or on/off), each beside the module's own
+values, at the M of --compare-at (elsewhere the module's own); e.g. CLAIM_GROUP=1,2 (tiles per
+claim), BAND_TILES=8,16 (row tiles per band), PREFETCH_ADDED_ROWS=on,off. The rows say which
+("settings"; the walks' "claim_group" and "band_tiles" always).
 
 --waits measures each walk with its tiles' waits for their ready flags as the kernel has them
 ("sys": a system-scope acquire), taken out ("none": right here only, where every flag is up
@@ -59,9 +60,15 @@ def ones_ready(one, count):
   return jnp.zeros((fg.ready_words(count),), jnp.int32).at[:2 * count:2].set(one)
 
 
-def plain_programs(x, w, c):
+def tag_of(settings):
+  """How a program's name says which module values it was lowered with ("": its own)."""
+  return "".join(f" {k.strip('_')}={getattr(v, '__name__', v)}" for k, v in settings.items())
+
+
+def plain_programs(x, w, c, variants=({},)):
   """{name: (op, ranks, settings, jitted, args)} of the GEMMs without waits (settings: the
-  flagged_gemm module's values they are lowered with; {}: its own)."""
+  flagged_gemm module's values they are lowered with; {}: its own), the one adding into its
+  output under each of `variants`."""
   m = x.shape[0]
   out = jnp.zeros((m, N), bf)
   flags = jnp.zeros((m // 1024,), jnp.int32)
@@ -70,8 +77,9 @@ def plain_programs(x, w, c):
       "flagged": ("flagged_matmul", 1, {}, jax.jit(
           lambda x, w, o, f: fg.flagged_matmul(x, w, out=o, flags=f, flag_rows=1024)),
           (x, w, out, flags)),
-      "flagged, adding into out": ("flagged_matmul_add", 1, {}, jax.jit(
-          lambda x, w, c: fg.flagged_matmul(x, w, out=c, add=True)), (x, w, c))}
+      **{"flagged, adding into out" + tag_of(v): ("flagged_matmul_add", 1, v, jax.jit(
+          lambda x, w, c: fg.flagged_matmul(x, w, out=c, add=True)), (x, w, c))
+         for v in variants if "_await_flag" not in v}}
 
 
 def _await_at_gpu_scope(flag_ref, value):
@@ -88,22 +96,22 @@ def _await_at_gpu_scope(flag_ref, value):
   wait(flag_ref)
 
 
+def _no_wait(flag_ref, value):
+  """fg._await_flag taken out (--waits none: every flag is up before the kernel)."""
+
+
 # --waits: the flagged_gemm module's _await_flag for each (None: its own)
-WAITS = {"sys": None, "none": lambda flag_ref, value: None, "gpu": _await_at_gpu_scope}
+WAITS = {"sys": None, "none": _no_wait, "gpu": _await_at_gpu_scope}
 
 
-def walk_programs(x, w, c, n, group, band, waits="sys"):
-  """The three walks for n ranks (rank 0), with `group` tiles per claim, bands of `band`
-  row tiles, and their tiles' waits as `waits` (WAITS)."""
+def walk_programs(x, w, c, n, settings):
+  """The three walks for n ranks (rank 0), lowered with the flagged_gemm module's `settings`."""
   m_total = x.shape[0]
   m = m_total // n
   own, gathered = x[:m], x[m:]
   one = jnp.ones((), jnp.int32)
   count = (n - 1) * m // gig.READY_ROWS
-  tag = f" n={n} G={group} B={band}" + ("" if waits == "sys" else f" waits={waits}")
-  settings = {"CLAIM_GROUP": group, "BAND_TILES": band}
-  if WAITS[waits] is not None:
-    settings["_await_flag"] = WAITS[waits]
+  tag = f" n={n}" + tag_of(settings)
   p = {f"all_gather_matmul walk{tag}": ("all_gather_matmul", n, settings, jax.jit(
       lambda own, g, w, one: fg.walk_matmul(
           w, [own, g], gig.walk(n), m, result=(n * m, bf), rank=0, ready=ones_ready(one, count),
@@ -212,20 +220,22 @@ def main(argv=None):
   ap.add_argument("--ranks", default="2,4")
   ap.add_argument("--rounds", type=int, default=12)
   ap.add_argument("--calls", type=int, default=5)
-  ap.add_argument("--groups", default="", help="tiles per claim to compare, e.g. 1,2")
-  ap.add_argument("--bands", default="", help="row tiles per band to compare, e.g. 8,16")
+  ap.add_argument("--compare", action="append", default=[], metavar="NAME=V1,V2",
+                  help="flagged_gemm values to compare, e.g. BAND_TILES=8,16 (see above)")
   ap.add_argument("--waits", default="", help="waits to compare, e.g. sys,none,gpu")
   ap.add_argument("--compare-at", default="4096", help="the M where they are compared")
   ap.add_argument("--paired", action="store_true",
                   help="each call beside XLA's dot in one jit (see above)")
   ap.add_argument("--json", default="", help="write the walk_cost rows here")
   a = ap.parse_args(argv)
-  own = (fg.CLAIM_GROUP, fg.BAND_TILES)
-  compared = ([(int(g), own[1]) for g in a.groups.split(",") if g]
-              + [(own[0], int(b)) for b in a.bands.split(",") if b])
-  compared = [c + ("sys",) for c in dict.fromkeys(compared)] or [own + ("sys",)]
-  compared += [own + (v,) for v in a.waits.split(",") if v and v != "sys"]
-  # (claim group, band, waits), each once
+  variants = [{}]  # the module's own values, then each other value compared
+  for spec in a.compare:
+    name, values = spec.split("=")
+    for v in values.split(","):
+      value = {"on": True, "off": False}[v] if v in ("on", "off") else int(v)
+      if value != getattr(fg, name):
+        variants.append({name: value})
+  variants += [{"_await_flag": WAITS[v]} for v in a.waits.split(",") if v and v != "sys"]
   compare_at = {int(m) for m in a.compare_at.split(",") if m}
   key = jax.random.split(jax.random.key(0), 3)
   w = (jax.random.normal(key[0], (K, N), jnp.float32) / np.sqrt(K)).astype(bf)
@@ -233,10 +243,11 @@ def main(argv=None):
   for m_total in [int(m) for m in a.m.split(",")]:
     x = jax.random.normal(key[1], (m_total, K), bf)
     c = jax.random.normal(key[2], (m_total, N), bf)
-    progs = plain_programs(x, w, c)
+    here = variants if m_total in compare_at else [{}]
+    progs = plain_programs(x, w, c, here)
     for n in [int(r) for r in a.ranks.split(",")]:
-      for g, b, v in (compared if m_total in compare_at else [own + ("sys",)]):
-        progs.update(walk_programs(x, w, c, n, g, b, v))
+      for v in here:
+        progs.update(walk_programs(x, w, c, n, v))
     exes = compile_all(progs)
     # every tile computed once, whatever claimed it: the gather walk's product is x @ w
     ref = exes["xla dot"](x, w).astype(jnp.float32)
@@ -266,11 +277,10 @@ def main(argv=None):
             flush=True)
       rows.append(dict(op=op, m=m_total, k=K, n=N, ranks=n, ratio_to_xla_dot=ratio,
                        spread=spread, time_us=t_us, xla_dot_us=statistics.median(t_xla),
-                       claim_group=settings.get("CLAIM_GROUP"),
-                       band_tiles=settings.get("BAND_TILES"),
-                       waits=next((v for v, f in WAITS.items()
-                                   if f is settings.get("_await_flag")), None)
-                       if op not in ("flagged_matmul", "flagged_matmul_add") else None,
+                       claim_group=None if n == 1 else settings.get("CLAIM_GROUP", fg.CLAIM_GROUP),
+                       band_tiles=None if n == 1 else settings.get("BAND_TILES", fg.BAND_TILES),
+                       settings={k.strip("_"): getattr(v, "__name__", v)
+                                 for k, v in settings.items()},
                        rounds=a.rounds, calls=a.calls, paired=a.paired))
     del exes, progs
     if a.json:  # after each M: a run cut short keeps what it measured

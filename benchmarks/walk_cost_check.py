@@ -34,7 +34,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET_S = 295
-BANDS = "8,16"
+COMPARED = ("BAND_TILES=8,16",)  # probe_walk_cost --compare
 # the module's own first
 CONFIGS = ({}, {"BAND_TILES": 8}, {"EPI_SLOTS": 4, "PIPELINE_STEPS": 3})
 CONFIG_SHAPE = (4096, 4096, 8192)
@@ -103,7 +103,8 @@ def main(argv=None):
   walk_json = os.path.join(a.out, "walk_cost.json")
   steps["walk_cost"] = run_step(
       "walk_cost", [py, os.path.join("benchmarks", "probe_walk_cost.py"), "--m", "4096,16384",
-                    "--ranks", "2,4", "--rounds", str(a.rounds), "--bands", BANDS,
+                    "--ranks", "2,4", "--rounds", str(a.rounds),
+                    *[x for c in COMPARED for x in ("--compare", c)],
                     "--compare-at", "4096", "--json", walk_json], min(120, left(60)), a.out)
   paired_json = os.path.join(a.out, "walk_cost_paired.json")
   steps["walk_cost_paired"] = run_step(
