@@ -294,6 +294,56 @@ def test_every_op_across_processes_of_one_node(tmp_path):
   assert not shared_memory_left()
 
 
+ASYMMETRIC_WORKER = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    me, n = int(sys.argv[2]), int(sys.argv[3])
+    jax.distributed.initialize(sys.argv[1], num_processes=n, process_id=me)
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jax_hoccl
+
+    mesh = jax.make_mesh((n,), ("x",))
+
+    def program(fn):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+    local = np.random.default_rng(me).standard_normal((8, 3)).astype(np.float32)
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), local)
+    mine = {"sums": program(lambda v: jax_hoccl.psum(v * 2, "x")),
+            "maxes": program(lambda v: jax_hoccl.pmax(v, "x") + jax_hoccl.psum(v, "x")),
+            "gathers": program(lambda v: jax_hoccl.all_gather(v, "x", tiled=True)[:8])}
+    theirs = {"sums": program(lambda v: jax.lax.psum(v * 2, "x")),
+              "maxes": program(lambda v: jax.lax.pmax(v, "x") + jax.lax.psum(v, "x")),
+              "gathers": program(lambda v: jax.lax.all_gather(v, "x", tiled=True)[:8])}
+    if me == 0:  # what one process may do alone: log a program's text, compile one it never runs
+        program(lambda v: jax_hoccl.psum(v + 1, "x")).lower(x).as_text()
+        program(lambda v: jax_hoccl.all_to_all(v, "x", 0, 0, tiled=True)).lower(x).compile()
+    # each process traces and compiles the programs in its own order
+    for name in (sorted(mine) if me == 0 else sorted(mine, reverse=True)):
+        mine[name].lower(x).compile()
+    for name in mine:
+        for _ in range(3):
+            got, want = np.asarray(mine[name](x).addressable_data(0)), np.asarray(theirs[name](x).addressable_data(0))
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=name)
+    print("ASYMMETRIC_OK", flush=True)
+""")
+
+
+def test_processes_that_lower_other_programs_in_other_orders_still_meet(tmp_path):
+  """One process lowers a program for its text and compiles one it never runs, and each
+  traces the programs they share in another order: their calls still meet (a call is named
+  by its program and its place there, not by what its process traced before) and equal
+  jax.lax."""
+  outs = _run_two_processes(tmp_path, ASYMMETRIC_WORKER, timeout=180,
+                            env={"JAX_HOCCL_TIMEOUT_S": "10"})
+  for out in outs:
+    assert "ASYMMETRIC_OK" in out, out[-3000:]
+  assert not shared_memory_left()
+
+
 PEER_FAILURE_WORKER = textwrap.dedent("""
     import os, sys, time
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
@@ -457,6 +507,26 @@ def test_launcher_runs_the_example_as_two_processes():
   text = out.stdout + out.stderr
   assert "[0] MATCH" in text and "[1] MATCH" in text, text[-3000:]
   assert "8 cpu devices, mesh dp=4 x tp=2" in text, text[-3000:]
+
+
+def test_launcher_names_what_a_clean_job_left_in_dev_shm(tmp_path):
+  """A job that ends cleanly should leave nothing in /dev/shm (its processes unlink their
+  own names): what it left anyway, the launcher removes and names."""
+  script = tmp_path / "leaves.py"
+  script.write_text(textwrap.dedent("""
+      import os
+      rank = os.environ["JAX_HOCCL_LAUNCH"].split(",")[2]
+      name = "/dev/shm/jax_hoccl-" + os.environ["JAX_HOCCL_JOB_SECRET"] + "-left" + rank
+      open(name, "w").close()
+  """))
+  out = subprocess.run([sys.executable, "-P", "-m", "jax_hoccl.launch", "-n", "2", str(script)],
+                       capture_output=True, text=True, timeout=120)
+  text = out.stdout + out.stderr
+  assert out.returncode == 0, text
+  line = [l for l in text.splitlines() if "left in /dev/shm" in l]
+  assert len(line) == 1 and "-left0" in line[0] and "-left1" in line[0], text
+  secret = line[0].split("jax_hoccl-")[1].split("-left")[0]
+  assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"jax_hoccl-{secret}")]
 
 
 LAUNCHED = textwrap.dedent("""

@@ -214,9 +214,8 @@ FAILURE_WORKER = COMMON + textwrap.dedent("""
         os._exit(0)
     if me == 1 and mode.startswith("kill"):
         os.kill(os.getpid(), signal.SIGKILL)
-    if mode == "mismatch":  # the same instruction (site) in both, another op in each
-        call = (jit(lambda v: jax_hoccl.all_gather(v, "tp", tiled=True)) if me == 0 else
-                jit(lambda v: jax_hoccl.ppermute(v, "tp", shift)))
+    if mode == "mismatch":  # the same instruction (site: one line of code) in both, another op
+        call = jit(lambda v: (jax_hoccl.all_gather(v, "tp", tiled=True) if me == 0 else jax_hoccl.ppermute(v, "tp", shift)))
     if mode == "dtype":  # the same op and bytes, another element type in each
         call = jit(lambda v: jax_hoccl.psum(v, "tp"))
         x = shard(np.ones((1, 4), np.float32 if me == 0 else np.int32))

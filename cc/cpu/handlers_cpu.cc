@@ -38,10 +38,10 @@ namespace {
 
 std::atomic<int64_t> g_next_call_key{1};
 
-// Across processes the instruction is named by its lowering's site and how many
-// instructions of that site this process instantiated before: every process compiles the
-// same programs, so the names agree (a per-process counter alone would not, and a site alone
-// is shared by every call of an inner jit).
+// Across processes the instruction is named by its lowered site (axes.lowered_site: its
+// module's name and its place there, alike in every process) and how many instructions of
+// that site this process instantiated before (an inner jit called twice is lowered once:
+// XLA inlines two instructions of one site, in the same order in every process).
 // A shared site (job.h: the branches of one cond, each rank maybe in another) names one key
 // for all its instructions, so a rank in one branch meets its peers in the other.
 ffi::ErrorOr<std::unique_ptr<CpuCall>> InstantiateCpuCall(ffi::Dictionary attrs) {
@@ -112,8 +112,8 @@ ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, ffi::DataType
   ffi::Future future(promise);
   if (!AllLocal(ids)) {
     const std::string name = SiteName(call->site, OpName(op));
-    const std::string what = name + " of " + std::to_string(spec.bytes) + " bytes of " +
-                             TypeName(type) + " (site " + std::to_string(call->site) + ")";
+    const std::string what =
+        name + " of " + std::to_string(spec.bytes) + " bytes of " + TypeName(type);
     auto finish = [promise](const std::string& err) mutable {
       if (err.empty()) {
         promise.SetAvailable();

@@ -381,6 +381,9 @@ def _run_job(commands, envs, timeout, echo, secret, folder, **popen) -> JobResul
   return JobResult(ranks, failure, timed_out, secret, removed)
 
 
+LEFT_BEHIND = "the job ended cleanly but left in /dev/shm (removed):"
+
+
 def remove_job_shared_memory(secret: str) -> list[str]:
   """Removes the /dev/shm names of the job with this secret (cc/node_rendezvous.cc names
   them "jax_hoccl-<secret>-..."): what its processes could not unlink because they died
@@ -470,6 +473,8 @@ def _run(a, gpus: int, shared: dict) -> int:
   result = run_job([[sys.executable, a.script, *a.args]] * a.nproc, envs, echo=True)
   if result.summary:
     print(result.summary, file=sys.stderr, end="" if result.summary.endswith("\n") else "\n")
+  if result.removed and result.failure is None:  # its processes unlink their own: a leak
+    print(f"jax_hoccl.launch: {LEFT_BEHIND} {', '.join(result.removed)}", file=sys.stderr)
   return result.code
 
 

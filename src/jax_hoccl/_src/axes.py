@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import itertools
+import os
 
 import numpy as np
 import jax
@@ -163,9 +165,13 @@ def group_table(mesh, axes, groups=None) -> np.ndarray:
 
 _sites = itertools.count(1)
 _user_ops: list[str] = []
+_names: dict[int, str] = {}  # site -> the op the user called there (errors name it)
+_lines: dict[int, str] = {}  # site -> the user's line that made it (ji.user_line)
 _shared: set[int] = set()  # sites shared by the branches of a cond (branches.py)
 _scopes: list = []  # per enclosing user_op: None, or [its shared site, sites made so far]
 _derived: dict[tuple[int, int], int] = {}  # (shared site, k) -> its k-th inner site
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # jax_hoccl's folder
+_MODULE_SITES = ("jax_hoccl", "sites")  # ji.module_state: the module's {site: lowered site}
 
 
 @contextlib.contextmanager
@@ -201,7 +207,6 @@ def names_errors(name: str):
 def share_site(site: int) -> int:
   """Marks `site` as shared by alternative instructions (branches.py); returns it."""
   _shared.add(site)
-  ffi_targets.share_site(site)
   return site
 
 
@@ -215,12 +220,39 @@ def new_site() -> int:
     scope[1] += 1
     if key not in _derived:
       _derived[key] = share_site(next(_sites))
-      ffi_targets.name_site(_derived[key], _user_ops[0])
+      _names[_derived[key]] = _user_ops[0]
+      _lines[_derived[key]] = ji.user_line(skip=_PACKAGE)
     return _derived[key]
   site = next(_sites)
   if _user_ops:  # the outermost: the op the user called
-    ffi_targets.name_site(site, _user_ops[0])
+    _names[site] = _user_ops[0]
+  _lines[site] = ji.user_line(skip=_PACKAGE)
   return site
+
+
+def lowered_site(ctx, site: int) -> int:
+  """The site as the program being lowered names it, alike in every process: drawn from the
+  module's name, the order in which its sites first appear in it, and the user's line that
+  made the call (modules of jax.jit(lambda ...) share a name). Not the op or its types:
+  ranks that call different ones there meet, and fail at once as mismatched. A site
+  from new_site() is a count of what this process traced before, which differs where one
+  process traces another program (one it only lowers for its text, say) or the same ones in
+  another order; the CPU engine pairs calls across processes by the lowered site, and async
+  starts pick their stream by it. Site 0 stays 0 (names no user op)."""
+  if not site:
+    return 0
+  sites = ji.module_state(ctx, _MODULE_SITES, {})
+  if site not in sites:
+    call = (ji.module_name(ctx), len(sites), _lines.get(site, ""))
+    digest = hashlib.blake2b(repr(call).encode(), digest_size=8).digest()
+    # 43 bits: the CPU engine keeps the low 20 of its 63-bit keys for the instance count
+    lowered = (int.from_bytes(digest, "little") & ((1 << 43) - 1)) or 1
+    sites[site] = lowered
+    if site in _names:
+      ffi_targets.name_site(lowered, _names[site])
+    if site in _shared:
+      ffi_targets.share_site(lowered)
+  return sites[site]
 
 
 def _spans(mesh, axes, of_device) -> bool:
@@ -270,4 +302,4 @@ def ffi_group_attrs(ctx, axes, op: str, site: int, groups=None) -> dict:
   table = group_table(mesh, axes, groups)
   # One dictionary attribute, decoded whole as a struct by every handler (cc/ffi/handler_common.h).
   return dict(group=dict(groups=table.reshape(-1), group_size=np.int64(table.shape[1]),
-                         site=np.int64(site)))
+                         site=np.int64(lowered_site(ctx, site))))

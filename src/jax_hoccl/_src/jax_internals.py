@@ -7,6 +7,8 @@ when jax changes, this is the file to fix. Checked against jax 0.11.2.
 """
 from __future__ import annotations
 
+import os
+
 import jax
 from jax._src import config as _config
 from jax._src import core
@@ -286,6 +288,29 @@ def concrete_mesh_from_lowering(ctx, op_name: str):
         " without them (a shard_map nested inside another one). Use one jax.shard_map over "
         "all the axes, or jax.lax collectives inside the nested one.")
   return mesh
+
+
+def module_state(ctx, key, default):
+  """State kept for the module being lowered (shared by every rule and nested function of it,
+  gone with it): its lowering cache's entry `key`, set to `default` first."""
+  return ctx.module_context.cached_primitive_lowerings.setdefault(key, default)
+
+
+def module_name(ctx) -> str:
+  """The name of the module being lowered (jit_f for jax.jit(f))."""
+  return mlir.ir.StringAttr(ctx.module_context.module.operation.attributes["sym_name"]).value
+
+
+def user_line(skip: str) -> str:
+  """Where the user's code made what is being traced, transposed or lowered now (jax keeps
+  the equation's own traceback current while it transposes or lowers it): file name,
+  function and line of the innermost frame outside jax, the standard library and `skip` (a
+  package folder); "" where jax kept none."""
+  from jax._src import source_info_util
+  for f in source_info_util.user_frames(source_info_util.current().traceback):
+    if not f.file_name.startswith(skip):
+      return f"{os.path.basename(f.file_name)}:{f.function_name}:{f.start_line}"
+  return ""
 
 
 def hashable_array(a):

@@ -78,7 +78,8 @@ def _start_abstract_eval(x, *, op, axes, axis_size, perm, peers_only, invariant,
 
 def start_attrs(ctx, axes, op: str, site: int) -> dict:
   """Every start's attributes: its group's, and the async stream it runs on."""
-  return {**axes_lib.ffi_group_attrs(ctx, axes, op, site), "stream": np.int64(async_stream(site))}
+  return {**axes_lib.ffi_group_attrs(ctx, axes, op, site),
+          "stream": np.int64(async_stream(axes_lib.lowered_site(ctx, site)))}
 
 
 def _start_lowering(ctx, x, *, op, axes, axis_size, perm, peers_only, invariant, site,
@@ -132,7 +133,8 @@ def _done_lowering(ctx, *args, site, wait_only, n_after):
     args, ctx = args[1:], ctx.replace(avals_in=ctx.avals_in[1:])  # drop the placeholder
   else:
     aliases = {0: 0, **{2 + i: 1 + i for i in range(len(args) - 2 - n_after)}}
-  return ffi_lower("hoccl_done", "done", ctx, *args, site=np.int64(site),
+  return ffi_lower("hoccl_done", "done", ctx, *args,
+                   site=np.int64(axes_lib.lowered_site(ctx, site)),
                    lowering_args=dict(operand_output_aliases=aliases))
 
 
