@@ -23,7 +23,7 @@ median of its calls'; the rows say "paired": true.
 --compare NAME=V1,V2 measures each walk, and the kernel adding into its output, with each of
 those values of the flagged_gemm module's NAME (ints, or on/off), each beside the module's own
 values, at the M of --compare-at (elsewhere the module's own); e.g. CLAIM_GROUP=1,2 (tiles per
-claim), BAND_TILES=8,16 (row tiles per band), PREFETCH_ADDED_ROWS=on,off. The rows say which
+claim), BAND_TILES=8,16 (row tiles per band). The rows say which
 ("settings"; the walks' "claim_group" and "band_tiles" always).
 
 --waits measures each walk with its tiles' waits for their ready flags as the kernel has them

@@ -92,6 +92,25 @@ def test_per_call_rows_set_each_collective_beside_the_program_without_it(tmp_pat
   assert isinstance(result["host_profile"], list)  # (phases are counted by the CUDA engine)
 
 
+def test_a_job_in_one_ranks_slow_spell_runs_again():
+  """A job whose ranks ran the baseline far apart (one rank in a slow spell) runs again, at
+  most SPELL_RERUNS times, and the least skewed one is kept, saying so."""
+  from jax_hoccl.bench import processes
+
+  def job(*baselines):
+    return [{"op": "psum", "baseline_us_per_call_by_rank": list(b)} for b in baselines], "gpu"
+
+  jobs = iter([job((28, 72), (28, 70)), job((29, 33), (30, 31)), job((28, 29), (28, 28))])
+  rows, plat = processes._least_skewed(lambda: next(jobs), processes.SPELL_RERUNS)
+  assert plat == "gpu" and [r["baseline_us_per_call_by_rank"] for r in rows] == [[29, 33], [30, 31]]
+  assert all(r["spell_reruns"] == 1 and r["rank_skew"] < processes.SKEWED for r in rows), rows
+  spells = iter([job((28, 72))] * 3 + [job((28, 29))])  # every run skewed: the limit holds
+  rows, _ = processes._least_skewed(lambda: next(spells), processes.SPELL_RERUNS)
+  assert rows[0]["spell_reruns"] == processes.SPELL_RERUNS and rows[0]["rank_skew"] > 2, rows
+  rows, _ = processes._least_skewed(lambda: job((28, 72)), 0)  # without a GPU: never again
+  assert rows[0]["spell_reruns"] == 0, rows
+
+
 def test_per_call_rows_of_donated_calls(tmp_path, monkeypatch):
   """--processes with each call's input donated (a job of the GPU's settings, run here on CPU):
   every round starts from a copy of the same array, so no call meets a donated one."""

@@ -17,10 +17,9 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import textwrap
 
-from jax_hoccl.bench import ranks
+from jax_hoccl.bench import machine, ranks
 from jax_hoccl.launch import mps_daemon, run_workers
 
 RANKS = 2
@@ -97,8 +96,7 @@ def run(out_dir: str, commit: str, sm_percent: int = 100 // RANKS) -> str:
     found = ranks.results(run_workers(WORKER, RANKS, {**env, **mps}, 900))
   rows = ranks.slowest(found, ("fused_us", "reference_us"))
   import jax
-  gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                        capture_output=True, text=True).stdout.split("\n")[:1]
+  gpus = machine.gpu_names()[:1] or ["GPU"]
   result = {"what": "fused op vs its reference, every rank at once, ranks sharing one GPU "
                     "under MPS with the SMs split (jax_hoccl/bench/overlap.py)",
             "machine": f"{gpus[0]} ({RANKS} ranks under MPS, {sm_percent}% of the SMs each), "
@@ -111,7 +109,7 @@ def run(out_dir: str, commit: str, sm_percent: int = 100 // RANKS) -> str:
     print(f"{r['op']:22s} {r['m']:6d} {r['fused_us']:10.1f} {r['reference_us']:13.1f} "
           f"{r['fused_us'] / r['reference_us']:.3f}")
   os.makedirs(out_dir, exist_ok=True)
-  name = os.path.join(out_dir, f"{result['date']}-1xH200-overlap.json")
+  name = os.path.join(out_dir, f"{result['date']}-{machine.file_tag(True)}-overlap.json")
   with open(name, "w") as f:
     json.dump(result, f, indent=1)
   return name

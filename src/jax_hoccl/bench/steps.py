@@ -49,7 +49,7 @@ import platform
 import subprocess
 import textwrap
 
-from jax_hoccl.bench import paired, ranks, staged_floor
+from jax_hoccl.bench import machine, paired, ranks, staged_floor
 from jax_hoccl.launch import mps_daemon, run_workers
 
 LAYERS = 12
@@ -230,6 +230,7 @@ def run(out_dir: str, commit: str, decode_only: bool = False) -> str:
                     "collective in a chain, decode's GEMV + psum (jax_hoccl/bench/steps.py)",
             "platform": plat,
             "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
+            "devices": machine.gpu_names() if gpu else [],
             "jax": jax.__version__, "commit": commit, "date": str(datetime.date.today()),
             "step": steps, "device_latency": latency, "decode": decode}
   def against_floor(us, floor):
@@ -259,7 +260,7 @@ def run(out_dir: str, commit: str, decode_only: bool = False) -> str:
           f"(q1-q3 {r['added_quartiles_us'][0]:.1f}-{r['added_quartiles_us'][1]:.1f}; "
           f"job {r['job_added_us_per_call']:.1f}; recorded {r['recorded_per_call']:.2f} per call)")
   os.makedirs(out_dir, exist_ok=True)
-  name = os.path.join(out_dir, f"{result['date']}-{'1xH200' if gpu else 'cpu'}-"
+  name = os.path.join(out_dir, f"{result['date']}-{machine.file_tag(gpu)}-"
                              f"{'decode' if decode_only else 'steps'}.json")
   with open(name, "w") as f:
     json.dump(result, f, indent=1)

@@ -66,9 +66,6 @@ EPI_SLOTS = 2         # sub-tiles staged at once per compute warpgroup (4: a who
 PIPELINE_STEPS = 4    # k-steps of a and b in flight (4 with 2 slots fills shared memory)
 BAND_TILES = 16       # row tiles per band of the walk (docs/design.md, section 8)
 COMPUTE_WGS = 2
-# A tile that adds into its output rows asks L2 for them before its mainloop, so its reducing
-# stores find them there instead of reading HBM behind the epilogue (docs/design.md, section 8).
-PREFETCH_ADDED_ROWS = True
 # k-steps whose wgmma may still run when the next is issued (their a and w stay in shared
 # memory that long). One hides the flags' cost; clusters of two CTAs sharing w by multicast,
 # and raising the flag early in the next tile's mainloop, were slower (the measurements:
@@ -431,8 +428,6 @@ def _kernel_body(lay: _Layout, *refs):
           def _acc(acc):
             if blk.flag and not ordered:
               _raise_flag(flag_at(flag), ordered=False)
-            if blk.add and PREFETCH_ADDED_ROWS:
-              plgpu.async_prefetch(out_gmem.at[out_rows, cols])
             run_mainloop(acc)
             result = acc[...].astype(out_dtype)  # waits for every wgmma
             for step in range(k_steps - WGMMA_IN_FLIGHT, k_steps):
