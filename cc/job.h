@@ -46,6 +46,7 @@ std::string SiteName(int64_t site, const char* mover);
 struct OpLabel {
   int64_t site = -1;
   const char* mover = "";  // a string literal (OpName)
+  const char* type = "";   // the element type's name, "" where none is named (a literal)
   std::string Name() const { return SiteName(site, mover); }
 };
 

@@ -873,19 +873,26 @@ def test_mismatched_calls_are_an_immediate_error(tmp_path, path):
     assert float(out.split("ERROR after ")[1].split(" s")[0]) < 30
 
 
-@pytest.mark.parametrize("path", ["staged", "staged_packed"])
+@pytest.mark.parametrize("path", ["staged", "staged_packed", "zero_copy"])
 def test_sums_of_two_types_of_one_size_are_a_mismatch(tmp_path, path):
-  """bfloat16 on one rank, float16 on the other: as many bytes, but the flags name the type
-  the exchange adds in, so the ranks do not add each other's bits as their own type. (The
-  ranks compile different programs: XLA's sharded autotuning would wait for the other's.)"""
+  """bfloat16 on one rank, float16 on the other: as many bytes, but the flags (staged) or the
+  rendezvous's descriptions (zero copy) name the type, so the ranks do not add each other's
+  bits as their own type. (The ranks compile different programs: XLA's sharded autotuning
+  would wait for the other's.)"""
   env = {"MODE": "mismatch_type", "JAX_HOCCL_TIMEOUT_S": "30",
          "XLA_FLAGS": "--xla_gpu_shard_autotuning=false",
          **MOVERS["packed" if path == "staged_packed" else "exchange_kernel"]}
+  if path == "zero_copy":
+    env["JAX_HOCCL_STAGED_BYTES"] = "0"
   outs = _run(tmp_path, FAILURE_WORKER, 120, env)
   for out in outs:
     assert "ERROR after" in out and "mismatched collectives" in out, out[-3000:]
-    assert "psum of 8-byte blocks of bfloat16" in out, out[-3000:]
-    assert "psum of 8-byte blocks of float16" in out, out[-3000:]
+    if path == "zero_copy":
+      assert "psum (all_gather) of 8 bytes of bfloat16" in out, out[-3000:]
+      assert "psum (all_gather) of 8 bytes of float16" in out, out[-3000:]
+    else:
+      assert "psum of 8-byte blocks of bfloat16" in out, out[-3000:]
+      assert "psum of 8-byte blocks of float16" in out, out[-3000:]
     assert float(out.split("ERROR after ")[1].split(" s")[0]) < 30
 
 

@@ -71,29 +71,6 @@ ffi::Future Failed(ffi::Error error) {
   return future;
 }
 
-// The element type's name in a call's description (peers compare descriptions: ranks whose
-// calls move as many bytes of other types would otherwise exchange them silently).
-std::string TypeName(ffi::DataType type) {
-  switch (type) {
-    case ffi::DataType::PRED: return "bool";
-    case ffi::DataType::S8: return "int8";
-    case ffi::DataType::S16: return "int16";
-    case ffi::DataType::S32: return "int32";
-    case ffi::DataType::S64: return "int64";
-    case ffi::DataType::U8: return "uint8";
-    case ffi::DataType::U16: return "uint16";
-    case ffi::DataType::U32: return "uint32";
-    case ffi::DataType::U64: return "uint64";
-    case ffi::DataType::F16: return "float16";
-    case ffi::DataType::F32: return "float32";
-    case ffi::DataType::F64: return "float64";
-    case ffi::DataType::BF16: return "bfloat16";
-    case ffi::DataType::C64: return "complex64";
-    case ffi::DataType::C128: return "complex128";
-    default: return "XLA type " + std::to_string(static_cast<int>(type));  // 8-bit floats
-  }
-}
-
 // in_place: `in` is ignored, the input is my slot of the output (InputFor). A group that
 // spans processes runs on cpu_staged.h or cpu_cross_process.h (off XLA's threads).
 ffi::Future RunCpu(OpKind op, int64_t device, const CpuCall* call, ffi::DataType type,

@@ -117,7 +117,7 @@ ffi::Error EnqueueExchange(OpKind op, cudaStream_t stream, int lane, int32_t dev
   // Every rank sees the same shapes, so all skip together and sequence numbers stay in step.
   if (spec.bytes > 0 && OutputBytes(spec) > 0) {
     ExecStatus st = RunOnCuda(*(*found)->comm, spec, stream, in, out_data, lane,
-                              OpLabel{group.site, OpName(op)}, announce, gemv);
+                              OpLabel{group.site, OpName(op), options.type}, announce, gemv);
     if (!st.ok()) return ffi::Error(CodeFor(st.kind), st.message);
   }
   return ffi::Error::Success();

@@ -320,8 +320,9 @@ ExecStatus RunOnCuda(Communicator& comm, const OpSpec& spec, cudaStream_t stream
   inputs[r] = input;
   {
     HostTimer timer("rendezvous");  // mostly waiting for the peers' handler threads
-    const std::string what = op_name + " of " + std::to_string(spec.bytes) + " bytes (lane " +
-                             std::to_string(lane) + ")";
+    const std::string what = op_name + " of " + std::to_string(spec.bytes) + " bytes" +
+                             (*label.type ? std::string(" of ") + label.type : std::string()) +
+                             " (lane " + std::to_string(lane) + ")";
     err = transport.ExchangeBuffers(seq, r, input, output, peers, &inputs, op, what);
   }
   if (!err.empty()) return {ErrorKind::kDeadline, err};

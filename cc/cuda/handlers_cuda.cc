@@ -30,8 +30,10 @@ ffi::Error RunCuda(OpKind op, cudaStream_t stream, int32_t device, ffi::AnyBuffe
   HOCCL_TRACE("handler %s: device %lld, stream %p, %zu groups entries, group size %lld\n",
               OpName(op), static_cast<long long>(device), static_cast<void*>(stream),
               group.ids.size(), static_cast<long long>(group.size));
+  ExchangeOptions typed = options;
+  typed.type = TypeName(x.element_type());
   return EnqueueExchange(op, stream, 0, device, x.untyped_data(), x.size_bytes(),
-                         out->untyped_data(), out->size_bytes(), group, options);
+                         out->untyped_data(), out->size_bytes(), group, typed);
 }
 
 // A start of (x) -> (out, token[, x]) (StartOutput) on its async stream.
@@ -41,8 +43,10 @@ ffi::Error StartOne(OpKind op, cudaStream_t stream, int32_t device, ffi::AnyBuff
   auto out_or = StartOutput(rets);
   if (out_or.has_error()) return out_or.error();
   ffi::Result<ffi::AnyBuffer> out = *out_or;
+  ExchangeOptions typed = options;
+  typed.type = TypeName(x.element_type());
   return StartCuda(op, stream, device, x.untyped_data(), x.size_bytes(), out->untyped_data(),
-                   out->size_bytes(), group, stream_index, options);
+                   out->size_bytes(), group, stream_index, typed);
 }
 
 }  // namespace
@@ -148,6 +152,7 @@ static ffi::Error IntoStartCuda(cudaStream_t stream, int32_t device, ffi::Remain
   ExchangeOptions options = PermuteTo(permute_dst);
   options.at_source_slot = permute_dst.size() > 0;  // a ppermute lands in the sender's slot
   options.in_place = into->in_place;
+  options.type = TypeName(out->element_type());
   return StartCuda(options.at_source_slot ? OpKind::kPermute : OpKind::kAllGather, stream, device,
                    into->x, into->x_bytes, into->dst, into->bytes, group, stream_index, options);
 }

@@ -25,6 +25,38 @@ struct Group {
   int64_t site;
 };
 
+// The element type's name in a call's description (peers compare descriptions: ranks whose
+// calls move as many bytes of other types would otherwise exchange them silently).
+inline const char* TypeName(xla::ffi::DataType type) {
+  using xla::ffi::DataType;
+  switch (type) {
+    case DataType::PRED: return "bool";
+    case DataType::S8: return "int8";
+    case DataType::S16: return "int16";
+    case DataType::S32: return "int32";
+    case DataType::S64: return "int64";
+    case DataType::U8: return "uint8";
+    case DataType::U16: return "uint16";
+    case DataType::U32: return "uint32";
+    case DataType::U64: return "uint64";
+    case DataType::F16: return "float16";
+    case DataType::F32: return "float32";
+    case DataType::F64: return "float64";
+    case DataType::BF16: return "bfloat16";
+    case DataType::C64: return "complex64";
+    case DataType::C128: return "complex128";
+    case DataType::F8E5M2: return "float8_e5m2";
+    case DataType::F8E4M3: return "float8_e4m3";
+    case DataType::F8E4M3FN: return "float8_e4m3fn";
+    case DataType::F8E4M3B11FNUZ: return "float8_e4m3b11fnuz";
+    case DataType::F8E5M2FNUZ: return "float8_e5m2fnuz";
+    case DataType::F8E4M3FNUZ: return "float8_e4m3fnuz";
+    case DataType::F8E3M4: return "float8_e3m4";
+    case DataType::F8E8M0FNU: return "float8_e8m0fnu";
+    default: return "another XLA type";
+  }
+}
+
 // An exchange's options beyond its op, group and buffers, passed whole from the handler to
 // the spec (OpSpec in plan.h says what each does).
 struct ExchangeOptions {
@@ -34,6 +66,7 @@ struct ExchangeOptions {
   bool in_place = false;
   bool skip_own = false;
   SumType sum = SumType::kNone;
+  const char* type = "";  // the element type's name (TypeName): errors and rendezvous name it
 };
 inline ExchangeOptions PermuteTo(xla::ffi::Span<const int64_t> permute_dst) {
   ExchangeOptions options;
