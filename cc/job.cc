@@ -4,7 +4,6 @@
 
 #include <map>
 #include <mutex>
-#include <set>
 
 namespace hoccl {
 namespace {
@@ -17,10 +16,6 @@ JobInfo& JobRef() {
 std::map<int64_t, std::string>& SiteNames() {
   static auto* names = new std::map<int64_t, std::string>();
   return *names;
-}
-std::set<int64_t>& SharedSites() {
-  static auto* sites = new std::set<int64_t>();
-  return *sites;
 }
 
 }  // namespace
@@ -86,16 +81,6 @@ std::string SiteName(int64_t site, const char* mover) {
   auto it = SiteNames().find(site);
   if (it == SiteNames().end() || it->second == mover) return mover;
   return it->second + " (" + mover + ")";
-}
-
-void ShareSite(int64_t site) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  SharedSites().insert(site);
-}
-
-bool SiteShared(int64_t site) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  return SharedSites().count(site) != 0;
 }
 
 }  // namespace hoccl

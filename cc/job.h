@@ -52,9 +52,11 @@ struct OpLabel {
 
 // A site shared by alternative instructions: the n-th collective of each branch of one
 // lax.cond / lax.switch, of which each rank may run another (src/jax_hoccl/_src/branches.py).
-// The CPU engine pairs every instruction of a shared site as one (handlers_cpu.cc).
-void ShareSite(int64_t site);
-bool SiteShared(int64_t site);
+// The CPU engine pairs every instruction of a shared site as one (handlers_cpu.cc). The
+// program marks it in the site itself (axes.lowered_site), so a process that only runs a
+// program lowered elsewhere (a deserialized jax.export) pairs them too.
+constexpr int64_t kSharedSite = int64_t{1} << 42;
+inline bool SiteShared(int64_t site) { return site > 0 && (site & kSharedSite) != 0; }
 
 }  // namespace hoccl
 

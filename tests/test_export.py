@@ -122,3 +122,4 @@ def test_symbolic_shape_custom_call_in_shard_map_still_crashes_jaxlib():
   assert "exported" in out.stdout, out.stdout + out.stderr
   assert "called" not in out.stdout, out.stdout
   assert out.returncode != 0 or "failed:" in out.stdout, out.stdout
+

@@ -144,6 +144,33 @@ def test_jit_with_explicit_shardings():
   np.testing.assert_allclose(to_np(got), 4 * (a_np @ b_np), rtol=1e-4, atol=1e-4)
 
 
+def test_branches_meet_on_a_site_the_program_marks_shared(monkeypatch):
+  """Two instructions in the branches of a rank-dependent cond whose site carries the shared
+  mark (axes.SHARED_SITE) meet as one call, with nothing a lowering in this process
+  registered: what a process that only runs a program lowered elsewhere (a deserialized
+  jax.export) relies on."""
+  from jax_hoccl._src import axes
+  from jax_hoccl._src.ffi_targets import register
+  from jax_hoccl._src.jax_internals import hashable_array  # ffi_call hashes attributes
+  monkeypatch.setenv("JAX_HOCCL_TIMEOUT_S", "20")  # a regression times out instead of hanging
+  register()
+  group = dict(groups=hashable_array(np.arange(8, dtype=np.int64)), group_size=np.int64(8),
+               site=np.int64(axes.SHARED_SITE | 4099))
+
+  def gather(v):
+    return jax.ffi.ffi_call("hoccl_all_gather", jax.ShapeDtypeStruct((8, *v.shape), v.dtype),
+                            has_side_effect=True)(v, group=group, skip_own=np.int64(0))
+
+  f = jax.jit(jax.shard_map(
+      lambda v: jax.lax.cond(jax.lax.axis_index("x") % 2 == 0, lambda v: gather(v) * 2,
+                             lambda v: gather(v + 1), v)[None],
+      mesh=MESH1, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+  x = np.random.default_rng(17).standard_normal((8, 3)).astype(np.float32)
+  sent = x + (np.arange(8) % 2)[:, None]  # each rank's block, as its branch sends it
+  want = np.stack([sent[:, None] * (2 if r % 2 == 0 else 1) for r in range(8)])
+  np.testing.assert_allclose(to_np(f(put(MESH1, x, P("x")))), want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_step"])
 def test_rank_dependent_cond_with_collectives_in_every_branch(algorithm, monkeypatch):
   """Each rank takes the branch its axis index picks, and every branch calls the same

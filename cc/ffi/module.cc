@@ -134,9 +134,6 @@ NB_MODULE(_hoccl, m) {
         "global device id of each local CUDA ordinal (cc/job.h)");
   m.def("name_site", &hoccl::NameSite, nb::arg("site"), nb::arg("name"),
         "the user's op a lowering's call site runs, for error messages");
-  m.def("share_site", &hoccl::ShareSite, nb::arg("site"),
-        "a site shared by the alternative branches of one cond: the CPU engine pairs its "
-        "instructions as one (cc/job.h)");
   m.def("linked_shared_memory", &hoccl::LinkedSharedMemory,
         "names of POSIX shared memory this process created and has not unlinked");
   m.def("live_staging_mappings", &hoccl::LiveStagingMappings);

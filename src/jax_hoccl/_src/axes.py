@@ -171,6 +171,7 @@ _shared: set[int] = set()  # sites shared by the branches of a cond (branches.py
 _scopes: list = []  # per enclosing user_op: None, or [its shared site, sites made so far]
 _derived: dict[tuple[int, int], int] = {}  # (shared site, k) -> its k-th inner site
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # jax_hoccl's folder
+SHARED_SITE = 1 << 42  # marks a lowered site the branches of a cond share (cc/job.h)
 _MODULE_SITES = ("jax_hoccl", "sites")  # ji.module_state: the module's {site: lowered site}
 
 
@@ -245,13 +246,14 @@ def lowered_site(ctx, site: int) -> int:
   if site not in sites:
     call = (ji.module_name(ctx), len(sites), _lines.get(site, ""))
     digest = hashlib.blake2b(repr(call).encode(), digest_size=8).digest()
-    # 43 bits: the CPU engine keeps the low 20 of its 63-bit keys for the instance count
-    lowered = (int.from_bytes(digest, "little") & ((1 << 43) - 1)) or 1
+    # 42 bits, and SHARED_SITE (cc/job.h kSharedSite) for a site the branches of a cond
+    # share: the CPU engine keeps the low 20 of its 63-bit keys for the instance count
+    lowered = (int.from_bytes(digest, "little") & (SHARED_SITE - 1)) or 1
+    if site in _shared:
+      lowered |= SHARED_SITE
     sites[site] = lowered
     if site in _names:
       ffi_targets.name_site(lowered, _names[site])
-    if site in _shared:
-      ffi_targets.share_site(lowered)
   return sites[site]
 
 

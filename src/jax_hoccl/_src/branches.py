@@ -6,7 +6,7 @@ a psum in branch 0 and the same psum in branch 1 are two instructions, so a rank
 branch never met its peers in the other and both timed out, where jax.lax's work. So the cond
 lowering is wrapped: before jax lowers the branches, the n-th collective of one signature
 (primitive, parameters, input types) in each branch gets one site, shared by all branches,
-which the CPU engine pairs as one instruction (cc/job.h ShareSite); the movers such an op
+which the CPU engine pairs as one instruction (cc/job.h SiteShared); the movers such an op
 lowers to inherit shared sites in the same order (axes.user_op). And each branch's
 collectives are chained in program order (_in_program_order): XLA would otherwise schedule a
 branch's independent collectives as it likes, each branch its own way. Collectives whose

@@ -69,10 +69,6 @@ def name_site(site: int, name: str) -> None:
   _hoccl.name_site(int(site), name)
 
 
-def share_site(site: int) -> None:
-  _hoccl.share_site(int(site))
-
-
 def ffi_lower(target: str, op: str, ctx, *args, lowering_args=None, side_effect=True, **attrs):
   """Lowers to the custom call `target`. has_side_effect keeps XLA from merging or dropping
   a collective on some devices only, and from moving it past other side-effecting ops
