@@ -82,18 +82,9 @@ def plain_programs(x, w, c, variants=({},)):
          for v in variants if "_await_flag" not in v}}
 
 
-def _await_at_gpu_scope(flag_ref, value):
+def _await_at_gpu_scope(flag_ref, value, _await=fg._await_flag):
   """fg._await_flag with a GPU-scope acquire (--waits gpu)."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  from jax.experimental.mosaic import gpu as mgpu
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-  def wait(_, ref):
-    mgpu.utils.SemaphoreRef(mgpu.utils.memref_ptr(ref)).wait(
-        value, decrement=False, memory_scope="gpu")
-    mgpu.utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
-
-  wait(flag_ref)
+  _await(flag_ref, value, memory_scope="gpu")
 
 
 def _no_wait(flag_ref, value):

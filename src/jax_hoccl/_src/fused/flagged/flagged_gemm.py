@@ -249,16 +249,16 @@ def _read_tile(slot_ref):
   return read(slot_ref)
 
 
-def _await_flag(flag_ref, value):
-  """Waits (system-scope acquire) until flag >= value; TMA loads issued after it see the data
-  the flag announced."""
+def _await_flag(flag_ref, value, memory_scope="sys"):
+  """Waits (an acquire at `memory_scope`: copy engines of a peer GPU write the data) until
+  flag >= value; TMA loads issued after it see the data the flag announced."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax.experimental.mosaic import gpu as mgpu
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
   def wait(_, ref):
     mgpu.utils.SemaphoreRef(mgpu.utils.memref_ptr(ref)).wait(
-        value, decrement=False, memory_scope="sys")
+        value, decrement=False, memory_scope=memory_scope)
     mgpu.utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
   wait(flag_ref)
