@@ -172,7 +172,7 @@ _scopes: list = []  # per enclosing user_op: None, or [its shared site, sites ma
 _derived: dict[tuple[int, int], int] = {}  # (shared site, k) -> its k-th inner site
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # jax_hoccl's folder
 SHARED_SITE = 1 << 42  # marks a lowered site the branches of a cond share (cc/job.h)
-_MODULE_SITES = ("jax_hoccl", "sites")  # ji.module_state: the module's {site: lowered site}
+_MODULE_SITES = ("jax_hoccl", "sites")  # ji.module_state: {site: (lowered site, order)}
 
 
 @contextlib.contextmanager
@@ -238,10 +238,21 @@ def lowered_site(ctx, site: int) -> int:
   ranks that call different ones there meet, and fail at once as mismatched. A site
   from new_site() is a count of what this process traced before, which differs where one
   process traces another program (one it only lowers for its text, say) or the same ones in
-  another order; the CPU engine pairs calls across processes by the lowered site, and async
-  starts pick their stream by it. Site 0 stays 0 (names no user op)."""
+  another order; the CPU engine pairs calls across processes by the lowered site (async
+  starts pick their stream by its order: site_order). Site 0 stays 0 (names no user op)."""
   if not site:
     return 0
+  return _lowered(ctx, site)[0]
+
+
+def site_order(ctx, site: int) -> int:
+  """The order in which `site` first appeared in the program being lowered (0, 1, ...), alike
+  in every process: async starts take their stream round-robin by it."""
+  return _lowered(ctx, site)[1] if site else 0
+
+
+def _lowered(ctx, site: int) -> tuple[int, int]:
+  """(lowered site, order of first appearance) of `site` in the module being lowered."""
   sites = ji.module_state(ctx, _MODULE_SITES, {})
   if site not in sites:
     call = (ji.module_name(ctx), len(sites), _lines.get(site, ""))
@@ -251,7 +262,7 @@ def lowered_site(ctx, site: int) -> int:
     lowered = (int.from_bytes(digest, "little") & (SHARED_SITE - 1)) or 1
     if site in _shared:
       lowered |= SHARED_SITE
-    sites[site] = lowered
+    sites[site] = (lowered, len(sites))
     if site in _names:
       ffi_targets.name_site(lowered, _names[site])
   return sites[site]

@@ -36,15 +36,16 @@ from jax_hoccl._src.ops.ppermute import check_axis_order, check_perm, permute_ds
 from jax_hoccl._src.ops.psum_scatter import scatter_blocks, scatter_result
 
 
-# GPU: async streams a program's starts are spread over, round-robin by start site (so every
-# rank, lowering the same program, puts a start on the same stream); each stream has its own
+# GPU: async streams a program's starts are spread over, round-robin by the order of their
+# sites in the program (axes.site_order: every rank, lowering the same program, puts a start
+# on the same stream); each stream has its own
 # flag lane (cc/cuda/cuda_executor.h). Read from JAX_HOCCL_ASYNC_STREAMS when a program is lowered;
 # at most MAX_ASYNC_STREAMS (cc: kMaxAsyncLanes). With one stream a pipeline's exchanges queue
 # behind each other (docs/design.md, section 4).
 MAX_ASYNC_STREAMS = 4
 
 
-def async_stream(site: int) -> int:
+def async_stream(order: int) -> int:
   v = os.environ.get("JAX_HOCCL_ASYNC_STREAMS", "1")
   try:
     streams = int(v)
@@ -52,7 +53,7 @@ def async_stream(site: int) -> int:
     raise ValueError(f"JAX_HOCCL_ASYNC_STREAMS must be an integer, got {v!r}") from None
   if not 1 <= streams <= MAX_ASYNC_STREAMS:
     raise ValueError(f"JAX_HOCCL_ASYNC_STREAMS must be 1 to {MAX_ASYNC_STREAMS}, got {streams}")
-  return site % streams
+  return order % streams
 
 
 start_p = ji.Primitive("hoccl_start")
@@ -79,7 +80,7 @@ def _start_abstract_eval(x, *, op, axes, axis_size, perm, peers_only, invariant,
 def start_attrs(ctx, axes, op: str, site: int) -> dict:
   """Every start's attributes: its group's, and the async stream it runs on."""
   return {**axes_lib.ffi_group_attrs(ctx, axes, op, site),
-          "stream": np.int64(async_stream(axes_lib.lowered_site(ctx, site)))}
+          "stream": np.int64(async_stream(axes_lib.site_order(ctx, site)))}
 
 
 def _start_lowering(ctx, x, *, op, axes, axis_size, perm, peers_only, invariant, site,
