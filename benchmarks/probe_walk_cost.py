@@ -11,8 +11,8 @@ the next, the ratio much less), and the median of the rounds' ratios is reported
 spread, (max - min) / median of those ratios.
 
   python benchmarks/probe_walk_cost.py [--m 4096,16384] [--ranks 2,4] [--rounds 12]
-      [--calls 5] [--compare BAND_TILES=8,16 ...] [--waits sys,none,gpu] [--compare-at 4096]
-      [--paired] [--json OUT.json]
+      [--calls 5] [--compare BAND_TILES=8,16 ...] [--waits sys,none,gpu] [--warm-partials]
+      [--compare-at 4096] [--paired] [--json OUT.json]
 
 --paired runs XLA's dot and the program back to back in one jit and takes each call's ratio
 of their kernels (the program's kernels named as when it runs alone, the dot the longest of
@@ -25,6 +25,12 @@ those values of the flagged_gemm module's NAME (ints, or on/off), each beside th
 values, at the M of --compare-at (elsewhere the module's own); e.g. CLAIM_GROUP=1,2 (tiles per
 claim), BAND_TILES=8,16 (row tiles per band). The rows say which
 ("settings"; the walks' "claim_group" and "band_tiles" always).
+
+--warm-partials measures the ring walks (matmul_reduce_scatter, matmul_psum) also with the
+partial sums they add into written by a fusion just before the kernel, at the M of
+--compare-at: in the fused op the copy engines write them moments before the tiles add into
+them, so they may be in L2, where the other rows read them cold from HBM. The rows say so
+("warm_partials").
 
 --waits measures each walk with its tiles' waits for their ready flags as the kernel has them
 ("sys": a system-scope acquire), taken out ("none": right here only, where every flag is up
@@ -95,18 +101,23 @@ def _no_wait(flag_ref, value):
 WAITS = {"sys": None, "none": _no_wait, "gpu": _await_at_gpu_scope}
 
 
-def walk_programs(x, w, c, n, settings):
-  """The three walks for n ranks (rank 0), lowered with the flagged_gemm module's `settings`."""
+def walk_programs(x, w, c, n, settings, warm=False):
+  """The three walks for n ranks (rank 0), lowered with the flagged_gemm module's `settings`;
+  warm: the ring's partial sums written just before the kernel (as the copy engines leave
+  them, in L2 where they fit), not read cold from HBM."""
   m_total = x.shape[0]
   m = m_total // n
   own, gathered = x[:m], x[m:]
   one = jnp.ones((), jnp.int32)
   count = (n - 1) * m // gig.READY_ROWS
-  tag = f" n={n}" + tag_of(settings)
-  p = {f"all_gather_matmul walk{tag}": ("all_gather_matmul", n, settings, jax.jit(
-      lambda own, g, w, one: fg.walk_matmul(
-          w, [own, g], gig.walk(n), m, result=(n * m, bf), rank=0, ready=ones_ready(one, count),
-          ready_rows=gig.READY_ROWS)), (own, gathered, w, one))}
+  tag = f" n={n}" + tag_of(settings) + (" warm" if warm else "")
+  fresh = (lambda a, one: a * one.astype(a.dtype)) if warm else (lambda a, one: a)
+  p = {}
+  if not warm:  # (the gather walk adds into nothing)
+    p[f"all_gather_matmul walk{tag}"] = ("all_gather_matmul", n, settings, jax.jit(
+        lambda own, g, w, one: fg.walk_matmul(
+            w, [own, g], gig.walk(n), m, result=(n * m, bf), rank=0,
+            ready=ones_ready(one, count), ready_rows=gig.READY_ROWS)), (own, gathered, w, one))
   rows = m_total // n
   band = gr.band_rows(rows)
   send = jnp.zeros((rows, N), bf)
@@ -118,8 +129,9 @@ def walk_programs(x, w, c, n, settings):
     bands = (n - 1) * rows // band
     p[f"{name} walk{tag}"] = (name, n, settings, jax.jit(
         lambda x, w, s, l, r, f, one, gather=gather: fg.walk_matmul(
-            w, [x, s, l] + ([r] if n > 2 else []), gr.walk(n, gather), rows, rank=0,
-            ready=ones_ready(one, bands), ready_rows=band, flags=f, flag_rows=band)),
+            w, [x, s, fresh(l, one)] + ([fresh(r, one)] if n > 2 else []), gr.walk(n, gather),
+            rows, rank=0, ready=ones_ready(one, bands), ready_rows=band, flags=f,
+            flag_rows=band)),
         (x, w, send, last, recv, ring_flags, one))
   return p
 
@@ -214,6 +226,8 @@ def main(argv=None):
   ap.add_argument("--compare", action="append", default=[], metavar="NAME=V1,V2",
                   help="flagged_gemm values to compare, e.g. BAND_TILES=8,16 (see above)")
   ap.add_argument("--waits", default="", help="waits to compare, e.g. sys,none,gpu")
+  ap.add_argument("--warm-partials", action="store_true",
+                  help="also the ring walks with their partial sums just written (see above)")
   ap.add_argument("--compare-at", default="4096", help="the M where they are compared")
   ap.add_argument("--paired", action="store_true",
                   help="each call beside XLA's dot in one jit (see above)")
@@ -239,6 +253,8 @@ def main(argv=None):
     for n in [int(r) for r in a.ranks.split(",")]:
       for v in here:
         progs.update(walk_programs(x, w, c, n, v))
+      if a.warm_partials and m_total in compare_at:
+        progs.update(walk_programs(x, w, c, n, {}, warm=True))
     exes = compile_all(progs)
     # every tile computed once, whatever claimed it: the gather walk's product is x @ w
     ref = exes["xla dot"](x, w).astype(jnp.float32)
@@ -272,6 +288,7 @@ def main(argv=None):
                        band_tiles=None if n == 1 else settings.get("BAND_TILES", fg.BAND_TILES),
                        settings={k.strip("_"): getattr(v, "__name__", v)
                                  for k, v in settings.items()},
+                       warm_partials=k.endswith(" warm"),
                        rounds=a.rounds, calls=a.calls, paired=a.paired))
     del exes, progs
     if a.json:  # after each M: a run cut short keeps what it measured
