@@ -3,7 +3,8 @@ cost, in under five minutes:
 
   1. tests/test_gpu_flagged_gemm.py (values, flags, claims, the held-SMs walk);
   2. benchmarks/probe_walk_cost.py at M = 4096 and 16384, 2 and 4 ranks ("walk_cost" rows),
-     comparing bands of 8 and 16 row tiles (flagged_gemm.BAND_TILES) at M = 4096; then the
+     comparing bands of 8 and 16 row tiles (flagged_gemm.BAND_TILES) at M = 4096, and the ring
+     walks there with their partial sums just written (--warm-partials); then the
      same walks with each call beside XLA's dot in one jit (--paired: "paired" rows);
   3. `python -m jax_hoccl.bench --gemm-only`: the flagged GEMM against XLA's dot at its three
      shapes ("gemm" rows);
@@ -104,7 +105,7 @@ def main(argv=None):
   steps["walk_cost"] = run_step(
       "walk_cost", [py, os.path.join("benchmarks", "probe_walk_cost.py"), "--m", "4096,16384",
                     "--ranks", "2,4", "--rounds", str(a.rounds),
-                    *[x for c in COMPARED for x in ("--compare", c)],
+                    *[x for c in COMPARED for x in ("--compare", c)], "--warm-partials",
                     "--compare-at", "4096", "--json", walk_json], min(120, left(60)), a.out)
   paired_json = os.path.join(a.out, "walk_cost_paired.json")
   steps["walk_cost_paired"] = run_step(
@@ -154,10 +155,12 @@ def main(argv=None):
   for r in result["walk_cost"]:
     print(f"  M={r['m']:<6} ranks={r['ranks']} B={r.get('band_tiles')!s:4} {r['op']:22s} "
           f"{r['ratio_to_xla_dot']:.3f}  (spread {r['spread']:.1%})"
-          + ("  paired" if r.get("paired") else ""))
+          + ("  paired" if r.get("paired") else "")
+          + ("  partials warm" if r.get("warm_partials") else ""))
   by_band = {}
   for r in result["walk_cost"]:
-    if r.get("band_tiles") is not None and r["m"] == 4096 and not r.get("paired"):
+    if (r.get("band_tiles") is not None and r["m"] == 4096 and not r.get("paired")
+        and not r.get("warm_partials")):
       by_band.setdefault(r["band_tiles"], []).append(r["ratio_to_xla_dot"])
   if len(by_band) > 1:
     means = {b: statistics.mean(v) for b, v in by_band.items()}
