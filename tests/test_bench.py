@@ -308,3 +308,14 @@ def test_the_job_counts_a_rank_slow_on_its_own_once():
   assert out[0]["switches_by_rank"] == [[9.5, 1.0], [9.5, 1.0]]
   assert "us_per_round" not in out[0] and "cpu_us" not in out[0] and out[1] == plain
   assert "switches" not in out[0]
+
+
+def test_gpu_results_are_named_by_the_gpu_they_ran_on(monkeypatch):
+  """A GPU run's results file and JSON name its GPU as nvidia-smi does (they said 1xH200
+  whatever the GPU); a CPU run's say cpu."""
+  from jax_hoccl.bench import machine
+  monkeypatch.setattr(machine, "gpu_names", lambda: ["NVIDIA H100 80GB HBM3"])
+  assert machine.file_tag(True) == "1xNVIDIA-H100-80GB-HBM3"
+  assert machine.file_tag(False) == "cpu"
+  monkeypatch.setattr(machine, "gpu_names", lambda: [])
+  assert machine.file_tag(True) == "1xGPU"
