@@ -66,9 +66,14 @@ def ones_ready(one, count):
   return jnp.zeros((fg.ready_words(count),), jnp.int32).at[:2 * count:2].set(one)
 
 
+def named(settings):
+  """The module values a program was lowered with, as its name and its rows say them."""
+  return {k.strip("_"): getattr(v, "__name__", v) for k, v in settings.items()}
+
+
 def tag_of(settings):
   """How a program's name says which module values it was lowered with ("": its own)."""
-  return "".join(f" {k.strip('_')}={getattr(v, '__name__', v)}" for k, v in settings.items())
+  return "".join(f" {k}={v}" for k, v in named(settings).items())
 
 
 def plain_programs(x, w, c, variants=({},)):
@@ -286,8 +291,7 @@ def main(argv=None):
                        spread=spread, time_us=t_us, xla_dot_us=statistics.median(t_xla),
                        claim_group=None if n == 1 else settings.get("CLAIM_GROUP", fg.CLAIM_GROUP),
                        band_tiles=None if n == 1 else settings.get("BAND_TILES", fg.BAND_TILES),
-                       settings={k.strip("_"): getattr(v, "__name__", v)
-                                 for k, v in settings.items()},
+                       settings=named(settings),
                        warm_partials=k.endswith(" warm"),
                        rounds=a.rounds, calls=a.calls, paired=a.paired))
     del exes, progs
