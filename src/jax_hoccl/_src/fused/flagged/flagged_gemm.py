@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -304,6 +305,37 @@ class _Layout:
   claim_group: int = 1
 
 
+def _alike_blocks(walk) -> list[tuple[int, ...]]:
+  """The walk's blocks in groups that differ only in their block numbers (Rows.block,
+  ready_block): the kernel runs each group by one copy of the pipeline and its epilogue, the
+  numbers chosen at run time, so a walk of n blocks holds a few copies of that code, not n."""
+  groups = {}
+  for j, blk in enumerate(walk):
+    key = dataclasses.replace(blk, a=dataclasses.replace(blk.a, block=0),
+                              out=dataclasses.replace(blk.out, block=0), ready_block=0)
+    groups.setdefault(key, []).append(j)
+  return [tuple(js) for js in groups.values()]
+
+
+def _block_of_group(walk, js, jb):
+  """The WalkBlock of walk block jb (a traced index among the group js), its block numbers
+  picked at run time where the group's members differ."""
+  def pick(number):
+    values = [number(walk[j]) for j in js]
+    if len(set(values)) == 1:
+      return values[0]
+    picked = values[-1]
+    for j, v in zip(js[:-1], values[:-1]):
+      picked = jnp.where(jb == j, v, picked)
+    return picked
+
+  blk = walk[js[0]]
+  return dataclasses.replace(
+      blk, a=dataclasses.replace(blk.a, block=pick(lambda b: b.a.block)),
+      out=dataclasses.replace(blk.out, block=pick(lambda b: b.out.block)),
+      ready_block=pick(lambda b: b.ready_block))
+
+
 def _kernel_body(lay: _Layout, *refs):
   from jax import lax
   from jax.experimental import pallas as pl
@@ -459,11 +491,15 @@ def _kernel_body(lay: _Layout, *refs):
         a_rows = pl.ds(row_of(blk.a, i), TILE_M)
         pipeline(mma, epilogue)(operands[blk.a.ref].at[a_rows, :], w_cols, allocations=allocs)
 
-      if len(lay.walk) == 1:
-        run_block(lay.walk[0])
-      else:
-        for j, blk in enumerate(lay.walk):
-          pl.when(mi // block_tiles == j)(functools.partial(run_block, blk))
+      jb = mi // block_tiles  # the walk block of this tile
+      groups = _alike_blocks(lay.walk)
+      for js in groups:
+        blk = _block_of_group(lay.walk, js, jb)
+        if len(groups) == 1:
+          run_block(blk)
+        else:
+          pl.when(functools.reduce(operator.or_, [jb == j for j in js]))(
+              functools.partial(run_block, blk))
       return flag if flags_gmem is not None else carry
 
     total = m_tiles * n_tiles
