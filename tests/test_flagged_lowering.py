@@ -3,6 +3,7 @@ another platform without its devices): one start, one Mosaic GPU kernel, one don
 collective, for 2 and 4 ranks, forward and backward; and the fallbacks where the kernel does
 not apply. The values are checked on a GPU (tests/test_gpu_multiprocess.py,
 tests/test_gpu_flagged_gemm.py)."""
+import dataclasses
 import re
 
 import numpy as np
@@ -131,6 +132,28 @@ def test_walks_name_their_blocks():
     band = gr.band_rows(rows)
     assert rows % band == 0 and band >= 256 and rows // band <= 8
   assert gr.band_rows(200) is None
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_alike_blocks_run_one_code_path_with_each_blocks_numbers(n):
+  """The kernel runs each group of alike blocks by one copy of its code: a walk of n blocks
+  holds at most three groups, every block in exactly one, and the block a group's code
+  builds for walk block j (its numbers picked at run time) is block j."""
+  from jax_hoccl._src.fused.flagged import gather_walk, reduce_scatter_walk as gr
+  for walk in (gr.walk(n), gr.walk(n, gather=True), gather_walk.walk(n)):
+    groups = fg._alike_blocks(walk)
+    assert sorted(j for js in groups for j in js) == list(range(n))
+    assert len(groups) <= 3
+    for js in groups:
+      for j in js:
+        built = fg._block_of_group(walk, js, jnp.int32(j))
+        as_ints = dataclasses.replace(
+            built, a=dataclasses.replace(built.a, block=int(built.a.block)),
+            out=dataclasses.replace(built.out, block=int(built.out.block)),
+            ready_block=int(built.ready_block))
+        assert as_ints == walk[j], (n, j)
+  # the ring's middle blocks (recv j - 1) are one group from 4 ranks on
+  assert (1, 2) in fg._alike_blocks(gr.walk(4))
 
 
 def test_flag_target_counts_cta_tiles():
