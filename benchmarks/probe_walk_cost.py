@@ -1,7 +1,8 @@
 """What the fused ops' walks of the flagged GEMM cost on one GPU with nothing to wait for: each
 walk (fused/flagged/gather_walk.py, fused/flagged/reduce_scatter_walk.py, rank 0) run with its
 ready flags already up, against XLA's dot of the same M x K x N, and the plain flagged GEMM
-(flags on, tiles by index) and the plain kernel adding into its output (the ring's partial sums).
+(flags on, tiles by index) and the plain kernel adding into its output (the ring's partial
+sums; flags on too).
 What a walk costs over XLA's dot is compute-side cost that two GPUs cannot hide.
 
 Kernel time by CUPTI, the GEMM kernel only (the longest kernel of a call: not the fill of the
@@ -79,7 +80,9 @@ def tag_of(settings):
 def plain_programs(x, w, c, variants=({},)):
   """{name: (op, ranks, settings, jitted, args)} of the GEMMs without waits (settings: the
   flagged_gemm module's values they are lowered with; {}: its own), the one adding into its
-  output under each of `variants`."""
+  output under each of `variants`. Both raise flags, as the walks' blocks that add do: the
+  kernel without flags takes about 1% longer whether it adds or not
+  (benchmarks/README.md), so only like against like tells what the add costs."""
   m = x.shape[0]
   out = jnp.zeros((m, N), bf)
   flags = jnp.zeros((m // 1024,), jnp.int32)
@@ -89,8 +92,8 @@ def plain_programs(x, w, c, variants=({},)):
           lambda x, w, o, f: fg.flagged_matmul(x, w, out=o, flags=f, flag_rows=1024)),
           (x, w, out, flags)),
       **{"flagged, adding into out" + tag_of(v): ("flagged_matmul_add", 1, v, jax.jit(
-          lambda x, w, c: fg.flagged_matmul(x, w, out=c, add=True)), (x, w, c))
-         for v in variants if "_await_flag" not in v}}
+          lambda x, w, c, f: fg.flagged_matmul(x, w, out=c, add=True, flags=f, flag_rows=1024)),
+          (x, w, c, flags)) for v in variants if "_await_flag" not in v}}
 
 
 def _await_at_gpu_scope(flag_ref, value, _await=fg._await_flag):
