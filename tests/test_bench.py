@@ -204,6 +204,45 @@ def test_processes_on_a_gpu_warm_each_mps_daemon_up_first(monkeypatch, tmp_path)
     assert timed and all(env["OPS"] == json.dumps(processes.OPS) for env in timed)
 
 
+@pytest.mark.parametrize("alone", [False, True])
+def test_processes_on_a_gpu_repeat_a_setting_that_runs_alone(monkeypatch, tmp_path, alone):
+  """bench --processes on a GPU: every setting in one job each, or the caller's crossover
+  alone in JOBS jobs, whose rows pool their rounds (one job's rows spread too much)."""
+  import contextlib
+  from jax_hoccl.bench import processes
+  if alone:
+    monkeypatch.setenv("JAX_HOCCL_STAGED_BYTES", str(1 << 20))
+  else:
+    monkeypatch.delenv("JAX_HOCCL_STAGED_BYTES", raising=False)
+  monkeypatch.setattr(processes.glob, "glob", lambda pattern: ["/dev/nvidia0"])
+  monkeypatch.setattr(processes, "mps_daemon", lambda: contextlib.nullcontext({}))
+  timed = []
+
+  def run(n, env):
+    if env.get("OPS") == processes.WARM_UP["OPS"] or env.get("JAX_HOCCL_PROFILE"):
+      return [], "gpu"
+    timed.append(n)
+    row = dict(op="psum", bytes_per_rank=4096, ranks=n, path="staged",
+               added_per_round_us=[float(len(timed))], job_added_per_round_us=[0.0],
+               us_per_call=1.0, baseline_us_per_call=1.0, us_per_call_by_rank=[1.0] * n,
+               baseline_us_per_call_by_rank=[1.0] * n, cpu_us_per_call_by_rank=[1.0] * n,
+               baseline_cpu_us_per_call_by_rank=[1.0] * n,
+               switches_per_call_by_rank=[[0, 0]] * n,
+               baseline_switches_per_call_by_rank=[[0, 0]] * n)
+    return [row], "gpu"
+
+  monkeypatch.setattr(processes, "_run", run)
+  rows = json.load(open(processes.run(str(tmp_path), "test")))["per_call"]
+  settings = len(processes._settings(True, ""))
+  if alone:
+    assert timed == [2] * processes.JOBS + [4] * processes.JOBS and processes.JOBS > 1
+    assert [r["jobs"] for r in rows] == [processes.JOBS] * 2
+    assert len(rows[0]["added_per_round_us"]) == processes.JOBS  # every job's rounds pooled
+  else:
+    assert timed == [2] * settings + [4] * settings
+    assert all(r["jobs"] == 1 for r in rows) and len(rows) == 2 * settings
+
+
 def test_steps_on_a_gpu_time_both_sums_with_command_buffers_on_and_off(monkeypatch, tmp_path):
   """bench --steps on a GPU: the staged sums by XLA and inside the exchange kernel, each with
   command buffers on and off (on: with the packed exchange off too), and decode's GEMV inside

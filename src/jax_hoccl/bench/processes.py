@@ -19,8 +19,9 @@ replayed, their handler runs once), the sums inside the kernel also with each ca
 donated (as a training loop's state: its output can take the input's buffer, so the addresses
 need not change and XLA need not update its graph before a launch). A
 JAX_HOCCL_STAGED_BYTES set by the caller runs alone. 16 MiB per rank is above the crossover:
-both paths' rows are zero copy there. Without a GPU the jobs repeat (JOBS times: the machine
-may be shared) and a row pools their rounds. On a GPU a short job runs first under each MPS
+both paths' rows are zero copy there. Without a GPU, and on one where a setting runs alone,
+the jobs repeat (JOBS times: the machine may be shared, and on a GPU one job's rows of a
+setting read up to 2x those of the next job's) and a row pools their rounds. On a GPU a short job runs first under each MPS
 daemon, its rows dropped (WARM_UP), and a job whose ranks ran the program without the
 collective more than SKEWED times apart (one rank in a slow spell of host work outside
 jax_hoccl, which its peers wait for: docs/design.md, section 4) runs again, up to
@@ -278,7 +279,6 @@ def run(out_dir: str, commit: str) -> str:
   base.update(OPS=json.dumps(OPS), BYTES=json.dumps(BYTES_PER_RANK), ROUNDS=str(ROUNDS),
               CALLS=str(CALLS))
   gpu = bool(glob.glob("/dev/nvidia[0-9]*"))
-  jobs = 1 if gpu else JOBS
   load = [os.getloadavg()[0]]  # a shared machine's load, at the start and the end
   rows, profile = [], []
   name = os.path.join(out_dir, f"{datetime.date.today()}-{machine.file_tag(gpu)}-per-call.json")
@@ -293,6 +293,7 @@ def run(out_dir: str, commit: str) -> str:
       if gpu:
         _run(n, {**env, **WARM_UP})
       settings = _settings(gpu, env["XLA_FLAGS"])
+      jobs = JOBS if not gpu or len(settings) == 1 else 1  # (a GPU's device time is short)
       per_setting = [[] for _ in settings]
       for _ in range(jobs):  # the settings alternate, so a busy spell hits both alike
         for i, setting in enumerate(settings):
