@@ -81,8 +81,8 @@ def plain_programs(x, w, c, variants=({},)):
   """{name: (op, ranks, settings, jitted, args)} of the GEMMs without waits (settings: the
   flagged_gemm module's values they are lowered with; {}: its own), the one adding into its
   output under each of `variants`. Both raise flags, as the walks' blocks that add do: the
-  kernel without flags takes about 1% longer whether it adds or not
-  (benchmarks/README.md), so only like against like tells what the add costs."""
+  kernel without flags runs slower whether it adds or not (benchmarks/README.md), so only
+  like against like tells what the add costs."""
   m = x.shape[0]
   out = jnp.zeros((m, N), bf)
   flags = jnp.zeros((m // 1024,), jnp.int32)

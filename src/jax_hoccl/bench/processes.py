@@ -21,11 +21,11 @@ need not change and XLA need not update its graph before a launch). A
 JAX_HOCCL_STAGED_BYTES set by the caller runs alone. 16 MiB per rank is above the crossover:
 both paths' rows are zero copy there. Without a GPU, and on one where a setting runs alone,
 the jobs repeat (JOBS times: the machine may be shared, and on a GPU one job's rows of a
-setting read up to 2x those of the next job's) and a row pools their rounds. On a GPU a short job runs first under each MPS
-daemon, its rows dropped (WARM_UP), and a job whose ranks ran the program without the
-collective more than SKEWED times apart (one rank in a slow spell of host work outside
-jax_hoccl, which its peers wait for: docs/design.md, section 4) runs again, up to
-SPELL_RERUNS times; the least skewed job is kept, and its rows say how many ran
+setting may read far from the next job's: docs/design.md, section 4) and a row pools their
+rounds. On a GPU a short job runs first under each MPS daemon, its rows dropped (WARM_UP),
+and a job whose ranks ran the program without the collective more than SKEWED times apart
+(one rank in a slow spell of host work outside jax_hoccl, which its peers wait for) runs
+again, up to SPELL_RERUNS times; the least skewed job is kept, and its rows say how many ran
 ("spell_reruns") and how far apart its ranks were ("rank_skew").
 
     python -m jax_hoccl.bench --processes [--out DIR]
