@@ -37,8 +37,8 @@ started: a peer's running CTA, whose own waits are on still earlier tiles. Where
 that need the SMs a spinning CTA holds, so the fused ops do not take walks that wait there
 (peer_wait_reason).
 
-Layout of the work: CTA tiles of 128 x 256 output elements (two compute warpgroups side by side
-on N, one warpgroup issuing TMA loads, one wgmma left in flight behind the one issued), walked
+Layout of the work: CTA tiles of 128 x 256 output elements (two compute warpgroups of 64 x 256
+one above the other, one warpgroup issuing TMA loads, one wgmma left in flight behind the one issued), walked
 in bands of BAND_TILES row tiles (all columns of a band before the next band, rows minor inside
 it), so blocks of rows finish in order and the band's slice of `a` stays in L2. A block whose
 rows copy engines read is written in place into an operand (the addresses must be known to the
@@ -60,12 +60,15 @@ from jax_hoccl._src import job
 from jax_hoccl._src.ops import common
 
 TILE_M = 128          # rows of a CTA tile (and the granularity of flags)
-TILE_N = 128          # columns per compute warpgroup; a CTA tile is 2 * TILE_N wide
+TILE_N = 256          # columns of a CTA tile
 TILE_K = 64
 EPI = 64              # epilogue sub-tile (rows and columns) staged through shared memory
 EPI_SLOTS = 2         # sub-tiles staged at once per compute warpgroup (4: a whole tile)
 PIPELINE_STEPS = 4    # k-steps of a and b in flight (4 with 2 slots fills shared memory)
 BAND_TILES = 16       # row tiles per band of the walk (docs/design.md, section 8)
+# Compute warpgroups, one above the other in a CTA tile: each computes TILE_M / COMPUTE_WGS
+# rows by TILE_N (one m64n256 wgmma per k16 from its half of a's slot and all of w's; side by
+# side on N, two m64n128 per k16, was slower: benchmarks/README.md).
 COMPUTE_WGS = 2
 # k-steps whose wgmma may still run when the next is issued (their a and w stay in shared
 # memory that long). One hides the flags' cost; clusters of two CTAs sharing w by multicast,
@@ -87,8 +90,8 @@ def unsupported_reason(m, k, n, dtype, out_dtype=None, b_dtype=None) -> str | No
     return f"dtype {np.dtype(dtype).name} (the kernel is bf16/f16)"
   if out_dtype is not None and np.dtype(out_dtype) not in DTYPES + (np.dtype(jnp.float32),):
     return f"output dtype {np.dtype(out_dtype).name}"
-  if m % TILE_M or n % (COMPUTE_WGS * TILE_N) or k % TILE_K:
-    return (f"shape M={m} K={k} N={n} (needs M % {TILE_M}, N % {COMPUTE_WGS * TILE_N}, "
+  if m % TILE_M or n % TILE_N or k % TILE_K:
+    return (f"shape M={m} K={k} N={n} (needs M % {TILE_M}, N % {TILE_N}, "
             f"K % {TILE_K} == 0)")
   if not _on_hopper():
     return "not a Hopper GPU"
@@ -156,7 +159,7 @@ def band_tiles(block_tiles: int, blocks: int) -> int:
 def flag_target(n: int, flag_rows: int) -> int:
   """The value flags[block] reaches when the block's `flag_rows` rows are stored: one raise per
   CTA tile."""
-  return (flag_rows // TILE_M) * (n // (COMPUTE_WGS * TILE_N))
+  return (flag_rows // TILE_M) * (n // TILE_N)
 
 
 # Named barrier (bar.sync id) joining the compute warpgroups once per tile (before a flag where
@@ -360,12 +363,12 @@ def _kernel_body(lay: _Layout, *refs):
   out_swizzle = plgpu.find_swizzle(EPI * jnp.dtype(out_dtype).itemsize * 8)
   out_transforms = (plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
                     plgpu.SwizzleTransform(out_swizzle))
-  cta_n = COMPUTE_WGS * TILE_N
+  wg_m = TILE_M // COMPUTE_WGS  # a compute warpgroup's rows of the tile
   block_tiles = lay.rows // TILE_M
-  m_tiles, n_tiles, k_steps = len(lay.walk) * block_tiles, lay.n // cta_n, lay.k // TILE_K
+  m_tiles, n_tiles, k_steps = len(lay.walk) * block_tiles, lay.n // TILE_N, lay.k // TILE_K
   band = band_tiles(block_tiles, len(lay.walk))
   epi_tiles = [(slice(i * EPI, (i + 1) * EPI), slice(j * EPI, (j + 1) * EPI))
-               for i in range(TILE_M // EPI) for j in range(TILE_N // EPI)]
+               for i in range(wg_m // EPI) for j in range(TILE_N // EPI)]
   ordered = lay.ordered
 
   # The compute warpgroups release each k-step's slots by hand once its wgmma is done (the last
@@ -381,7 +384,7 @@ def _kernel_body(lay: _Layout, *refs):
         mma, grid=(k_steps,), memory_registers=40,
         in_specs=[plgpu.BlockSpec((TILE_M, TILE_K), lambda s: (0, s), transforms=in_transforms,
                                   memory_space=plgpu.SMEM),
-                  plgpu.BlockSpec((TILE_K, cta_n), lambda s: (s, 0), transforms=in_transforms,
+                  plgpu.BlockSpec((TILE_K, TILE_N), lambda s: (s, 0), transforms=in_transforms,
                                   memory_space=plgpu.SMEM)],
         wg_axis="wg", num_compute_wgs=COMPUTE_WGS, max_concurrent_steps=slots,
         compute_context=epilogue, manual_consumed_barriers=True,
@@ -433,8 +436,8 @@ def _kernel_body(lay: _Layout, *refs):
     def tile(t, carry):
       mi, ni = plgpu.planar_snake(t, (m_tiles, n_tiles), 0, band)
       i = lax.rem(mi, block_tiles)
-      cols = pl.ds(ni * cta_n + wg * TILE_N, TILE_N)   # this warpgroup's half (compute wgs)
-      w_cols = w_gmem.at[:, pl.ds(ni * cta_n, cta_n)]
+      cols = pl.ds(ni * TILE_N, TILE_N)
+      w_cols = w_gmem.at[:, cols]
       # flags count the walk's rows (rank-independent, one array for every flagged block)
       flag = (mi * TILE_M) // max(lay.flag_rows, 1)
       if not all(blk.flag for blk in lay.walk):
@@ -445,7 +448,7 @@ def _kernel_body(lay: _Layout, *refs):
         flag = jnp.where(flagged, flag, -1)
 
       def run_block(blk: WalkBlock):
-        out_rows = pl.ds(row_of(blk.out, i), TILE_M)
+        out_rows = pl.ds(row_of(blk.out, i) + wg * wg_m, wg_m)  # this warpgroup's (compute)
         out_gmem = operands[blk.out.ref]
 
         def await_rows():  # one uint64 flag per ready_rows rows; its low word
@@ -456,7 +459,7 @@ def _kernel_body(lay: _Layout, *refs):
           pl.when(wg == COMPUTE_WGS)(await_rows)
 
         def epilogue(run_mainloop):
-          @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
+          @functools.partial(pl.run_scoped, acc=plgpu.ACC((wg_m, TILE_N), jnp.float32))
           def _acc(acc):
             if blk.flag and not ordered:
               _raise_flag(flag_at(flag), ordered=False)
@@ -482,7 +485,7 @@ def _kernel_body(lay: _Layout, *refs):
               _raise_flag(flag_at(flag), ordered=True)
 
         def mma(idx, a_smem, b_smem, _a_consumed, _b_consumed, acc):
-          plgpu.wgmma(acc, a_smem, b_smem.at[:, pl.ds(wg * TILE_N, TILE_N)])
+          plgpu.wgmma(acc, a_smem.at[pl.ds(wg * wg_m, wg_m)], b_smem)
           plgpu.wgmma_wait(WGMMA_IN_FLIGHT)
           step = idx[0]
           pl.when(step >= WGMMA_IN_FLIGHT)(lambda: release(step - WGMMA_IN_FLIGHT))
