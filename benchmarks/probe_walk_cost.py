@@ -18,8 +18,11 @@ spread, (max - min) / median of those ratios.
 --paired runs XLA's dot and the program back to back in one jit and takes each call's ratio
 of their kernels (the program's kernels named as when it runs alone, the dot the longest of
 the others): the two see the same clocks, where rounds of each in turn saw clocks drift
-between them (at M = 16384 the rounds' ratios spread 6-8%). A round's ratio is then the
-median of its calls'; the rows say "paired": true.
+between them. The second of two kernels pays for what the first left (its dirty lines in L2,
+the clocks), so each round runs both orders, half its calls each, and its ratio is the
+geometric mean of the two orders' medians (jax_hoccl.bench.gemm.paired_round); the rows say
+"paired": true, and "order_ratios": the medians over rounds with the dot first and with the
+program first.
 
 --compare NAME=V1,V2 measures each walk, and the kernel adding into its output, with each of
 those values of the flagged_gemm module's NAME (ints, or on/off), each beside the module's own
@@ -54,7 +57,8 @@ from jax_hoccl._src.fused.flagged import flagged_gemm as fg
 from jax_hoccl._src.fused.flagged import gather_walk as gig
 from jax_hoccl._src.fused.flagged import reduce_scatter_walk as gr
 from jax_hoccl.bench import __main__ as bench_main
-from jax_hoccl.bench.gemm import beside_dot_us, kernel_names
+from jax_hoccl.bench import gemm
+from jax_hoccl.bench.gemm import kernel_names
 
 K = N = 8192
 bf = jnp.bfloat16
@@ -182,25 +186,29 @@ def gemm_us(exe, args, calls):
 
 
 def beside_dot(progs):
-  """{name: program} of each program but XLA's dot, in one jit with the dot before it."""
+  """{(name, order): program} of each program but XLA's dot in one jit with the dot, in each
+  order (gemm.beside_dot; order 0: the dot first)."""
   dot_args = progs["xla dot"][4]
-  return {k: (op, n, settings, jax.jit(lambda x, w, *args, f=f: (x @ w, f(*args))),
-              dot_args + args)
-          for k, (op, n, settings, f, args) in progs.items() if k != "xla dot"}
+  pairs = {}
+  for k, (op, n, settings, f, args) in progs.items():
+    if k != "xla dot":
+      for order, pair in enumerate(gemm.beside_dot(lambda x, w: x @ w, f, len(dot_args))):
+        pairs[(k, order)] = (op, n, settings, pair, dot_args + args)
+  return pairs
 
 
 def measure_paired(progs, exes, pairs, paired_exes, rounds, calls):
-  """{name: per-round (ratio, program us, dot us)}: rounds of every program beside XLA's dot
-  in one jit (beside_dot), in an order rotated each round; a round's figures are the medians
-  of its calls'. The program's kernels are those it launches alone (`exes`)."""
-  names = list(pairs)
+  """{name: per-round (ratio, with the dot first, with the program first, program us, dot
+  us)}: rounds of every program beside XLA's dot in one jit, both orders (beside_dot,
+  gemm.paired_round), the programs in an order rotated each round. The program's kernels
+  are those it launches alone (`exes`)."""
+  names = [k for k in progs if k != "xla dot"]
   own = {k: kernel_names(exes[k], progs[k][4]) for k in names}
   times = {k: [] for k in names}
   for r in range(rounds):
     for k in names[r % len(names):] + names[:r % len(names)]:
-      got = beside_dot_us(paired_exes[k], pairs[k][4], own[k], calls)
-      times[k].append((statistics.median(p / d for p, d in got),
-                       statistics.median(p for p, _ in got), statistics.median(d for _, d in got)))
+      times[k].append(gemm.paired_round((paired_exes[(k, 0)], paired_exes[(k, 1)]),
+                                        pairs[(k, 0)][4], own[k], calls))
   return times
 
 
@@ -275,8 +283,10 @@ def main(argv=None):
       pairs = beside_dot(progs)
       rounds = measure_paired(progs, exes, pairs, compile_all(pairs), a.rounds, a.calls)
       # (ratios, the program's time, the dot's) per round
-      times = {k: ([q for q, _, _ in v], [t for _, t, _ in v], [d for _, _, d in v])
+      times = {k: ([q[0] for q in v], [q[3] for q in v], [q[4] for q in v])
                for k, v in rounds.items()}
+      by_order = {k: [statistics.median(q[i] for q in v) for i in (1, 2)]
+                  for k, v in rounds.items()}
     else:
       plain = measure(progs, exes, a.rounds, a.calls)
       times = {k: ([t / t_xla for t, t_xla in zip(v, plain["xla dot"])], v, plain["xla dot"])
@@ -296,7 +306,8 @@ def main(argv=None):
                        band_tiles=None if n == 1 else settings.get("BAND_TILES", fg.BAND_TILES),
                        settings=named(settings),
                        warm_partials=k.endswith(" warm"),
-                       rounds=a.rounds, calls=a.calls, paired=a.paired))
+                       rounds=a.rounds, calls=a.calls, paired=a.paired,
+                       **({"order_ratios": by_order[k]} if a.paired else {})))
     del exes, progs
     if a.json:  # after each M: a run cut short keeps what it measured
       write_json(a.json, rows)

@@ -111,7 +111,7 @@ def main(argv=None):
   steps["walk_cost_paired"] = run_step(
       "walk_cost_paired", [py, os.path.join("benchmarks", "probe_walk_cost.py"), "--m",
                            "4096,16384", "--ranks", "2,4", "--rounds", str(a.rounds),
-                           "--paired", "--json", paired_json], min(90, left(45)), a.out)
+                           "--paired", "--json", paired_json], min(120, left(45)), a.out)
   steps["gemm"] = run_step(
       "gemm", [py, "-m", "jax_hoccl.bench", "--gemm-only", "--out", a.out],
       min(75, left(15)), a.out)
@@ -148,14 +148,17 @@ def main(argv=None):
   print("gemm (speed vs XLA's dot, >= 0.99 wanted):")
   for r in result["gemm"]:
     if r["impl"] != "xla":
+      first = r.get("paired_speed_by_order") or [0, 0]
       print(f"  {r['m']}x{r['k']}x{r['n']:<6} {r['speed_vs_xla']:.3f}  (spread "
             f"{r.get('spread', 0):.1%}); paired {r.get('paired_speed_vs_xla', 0):.3f}  (spread "
-            f"{r.get('paired_spread', 0):.1%})")
+            f"{r.get('paired_spread', 0):.1%}; dot first {first[0]:.3f}, GEMM first "
+            f"{first[1]:.3f})")
   print("walk_cost (time vs XLA's dot; <= 1.02 at M=4096, <= 1.03 at M=16384 wanted):")
   for r in result["walk_cost"]:
     print(f"  M={r['m']:<6} ranks={r['ranks']} B={r.get('band_tiles')!s:4} {r['op']:22s} "
           f"{r['ratio_to_xla_dot']:.3f}  (spread {r['spread']:.1%})"
-          + ("  paired" if r.get("paired") else "")
+          + ("  paired (dot first {:.3f}, program first {:.3f})".format(*r["order_ratios"])
+             if r.get("paired") else "")
           + ("  partials warm" if r.get("warm_partials") else ""))
   by_band = {}
   for r in result["walk_cost"]:

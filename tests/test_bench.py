@@ -358,3 +358,28 @@ def test_gpu_results_are_named_by_the_gpu_they_ran_on(monkeypatch):
   assert machine.file_tag(False) == "cpu"
   monkeypatch.setattr(machine, "gpu_names", lambda: [])
   assert machine.file_tag(True) == "1xGPU"
+
+
+def test_paired_rounds_run_the_dot_and_the_program_in_each_order(monkeypatch):
+  """gemm.beside_dot's two jits return the dot's and the program's values whichever runs
+  first, and paired_round takes the geometric mean of the two orders' ratios."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax_hoccl.bench import gemm
+
+  key = jax.random.split(jax.random.key(0), 3)
+  a, b = jax.random.normal(key[0], (32, 16)), jax.random.normal(key[1], (16, 24))
+  c = jax.random.normal(key[2], (8, 8))
+  pairs = gemm.beside_dot(lambda a, b: a @ b, lambda c: jnp.tanh(c) * 2, 2)
+  for pair in pairs:
+    dot, prog = pair(a, b, c)
+    np.testing.assert_allclose(dot, a @ b, rtol=1e-6)
+    np.testing.assert_allclose(prog, jnp.tanh(c) * 2, rtol=1e-6)
+  # each order's calls: (program us, dot us); the second of two kernels runs 4% slower
+  times = iter([[(104.0, 100.0)] * 5, [(100.0, 104.0)] * 5])
+  monkeypatch.setattr(gemm, "beside_dot_us", lambda *_: next(times))
+  ratio, dot_first, program_first, program_us, dot_us = gemm.paired_round(pairs, (), set())
+  assert (dot_first, program_first) == (1.04, 100 / 104)
+  assert ratio == pytest.approx(1.0)
+  assert (program_us, dot_us) == (102.0, 102.0)

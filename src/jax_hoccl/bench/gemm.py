@@ -9,11 +9,15 @@ GEMMs (at M = 16384 three rounds of 20 calls gave 0.95-1.07x from run to run), s
 one round is what compares, and the median of the rounds' ratios is reported ("speed_vs_xla")
 with their spread ((max - min) / median). Paired rounds beside them run XLA's dot and the
 flagged GEMM back to back in one jit and take each call's ratio of the two kernels, so the
-clocks cannot drift between the two ("paired_speed_vs_xla", "paired_spread": the median and
-spread of the rounds' medians).
+clocks cannot drift between the two; a kernel that follows another pays for what that one
+left behind (its dirty lines in L2 written back, the clocks it left), so every round runs
+both orders and takes the geometric mean of their ratios ("paired_speed_vs_xla",
+"paired_spread": the median and spread of the rounds'; "paired_speed_by_order": the medians
+with the dot first and with the flagged GEMM first).
 """
 from __future__ import annotations
 
+import math
 import statistics
 
 import numpy as np
@@ -56,6 +60,38 @@ def beside_dot_us(exe, args, own, calls=CALLS) -> list[tuple[float, float]]:
   return out
 
 
+def beside_dot(dot, program, dot_args: int):
+  """XLA's dot and a program in one jit, in each order: (dot first, program first). Both take
+  the dot's `dot_args` operands, then the program's; the second runs after the first (its
+  operands pass an optimization barrier with the first's result)."""
+  import jax
+
+  def dot_first(*args):
+    d, rest = jax.lax.optimization_barrier((dot(*args[:dot_args]), args[dot_args:]))
+    return d, program(*rest)
+
+  def program_first(*args):
+    p, rest = jax.lax.optimization_barrier((program(*args[dot_args:]), args[:dot_args]))
+    return dot(*rest), p
+
+  return jax.jit(dot_first), jax.jit(program_first)
+
+
+def paired_round(pairs, args, own, calls=CALLS) -> tuple[float, float, float, float, float]:
+  """One paired round of the two orders (`pairs`: beside_dot's, jitted or compiled), half the
+  calls each: (the program's time over the dot's, the geometric mean of the two orders'
+  medians of the calls' ratios; that with the dot first; with the program first; the
+  program's median time, the dot's, in us)."""
+  by_order, program_us, dot_us = [], [], []
+  for pair in pairs:
+    got = beside_dot_us(pair, args, own, max(calls // 2, 2))
+    by_order.append(statistics.median(p / d for p, d in got))
+    program_us += [p for p, _ in got]
+    dot_us += [d for _, d in got]
+  return (math.sqrt(by_order[0] * by_order[1]), *by_order, statistics.median(program_us),
+          statistics.median(dot_us))
+
+
 def bench_gemm(shapes=SHAPES):
   """Rows of the gemm section (empty where the flagged GEMM cannot run)."""
   import jax
@@ -73,28 +109,31 @@ def bench_gemm(shapes=SHAPES):
     xla = jax.jit(lambda a, b: a @ b)
     flagged = jax.jit(lambda a, b, o, f: fg.flagged_matmul(a, b, out=o, flags=f,
                                                            flag_rows=FLAG_ROWS))
-    pair = jax.jit(lambda a, b, o, f: (a @ b, fg.flagged_matmul(a, b, out=o, flags=f,
-                                                                 flag_rows=FLAG_ROWS)))
+    pairs = beside_dot(lambda a, b: a @ b, lambda a, b, o, f: fg.flagged_matmul(
+        a, b, out=o, flags=f, flag_rows=FLAG_ROWS), 2)
     own = kernel_names(flagged, (a, b, out, flags))
     times = {"xla": [], "jax_hoccl_flagged": []}
     calls = {"xla": lambda: _kernel_us(xla, a, b),
              "jax_hoccl_flagged": lambda: _kernel_us(flagged, a, b, out, flags)}
-    paired = []  # per round: the median of its calls' speeds
+    paired = []  # per round: paired_round's ratios (the flagged GEMM's time over the dot's)
     for r in range(ROUNDS):
       for impl in (("xla", "jax_hoccl_flagged") if r % 2 == 0 else ("jax_hoccl_flagged", "xla")):
         times[impl].append(calls[impl]())
-      paired.append(statistics.median(
-          d / p for p, d in beside_dot_us(pair, (a, b, out, flags), own)))
+      paired.append(paired_round(pairs, (a, b, a, b, out, flags), own)[:3])
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - xla(a, b).astype(jnp.float32))))
     if err > 0.05:
       raise AssertionError(f"flagged GEMM {m}x{k}x{n} differs from XLA's dot by {err}")
     ratios = [x / f for x, f in zip(times["xla"], times["jax_hoccl_flagged"])]
-    speed, paired_speed = statistics.median(ratios), statistics.median(paired)
+    speed = statistics.median(ratios)
+    paired_speeds = [1 / q for q, _, _ in paired]
+    paired_speed = statistics.median(paired_speeds)
     for impl, ts in times.items():
       rows.append(dict(impl=impl, m=m, k=k, n=n, time_us=statistics.median(ts),
                        **({"speed_vs_xla": speed, "spread": (max(ratios) - min(ratios)) / speed,
                            "paired_speed_vs_xla": paired_speed,
-                           "paired_spread": (max(paired) - min(paired)) / paired_speed}
+                           "paired_spread": (max(paired_speeds) - min(paired_speeds)) / paired_speed,
+                           "paired_speed_by_order": [statistics.median(1 / r[i] for r in paired)
+                                                     for i in (1, 2)]}
                           if impl != "xla" else {})))
   return rows
 
