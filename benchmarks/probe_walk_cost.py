@@ -1,7 +1,7 @@
 """What the fused ops' walks of the flagged GEMM cost on one GPU with nothing to wait for: each
 walk (fused/flagged/gather_walk.py, fused/flagged/reduce_scatter_walk.py, rank 0) run with its
 ready flags already up, against XLA's dot of the same M x K x N, and the plain flagged GEMM
-(flags on, tiles by index) and the plain kernel adding into its output (the ring's partial
+(flags on) and the plain kernel adding into its output (the ring's partial
 sums; flags on too).
 What a walk costs over XLA's dot is compute-side cost that two GPUs cannot hide.
 

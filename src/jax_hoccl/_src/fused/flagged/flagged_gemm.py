@@ -28,8 +28,8 @@ counters), and cutting a cuBLAS GEMM into row pieces costs 4-13% per piece (docs
 
 Forward progress (docs/design.md): a CTA that waits only ever waits for rows of earlier
 tiles of the walk order (no band of the walk holds tiles of two blocks), brought by copy
-engines. In a walk that waits, tiles are claimed in walk order from a counter (tile t is taken
-only once tiles 0..t-1 were taken by CTAs that are running), each CTA's memory warpgroup
+engines. Tiles are claimed in walk order from a counter (tile t is taken only once tiles
+0..t-1 were taken by CTAs that are running), each CTA's memory warpgroup
 claiming its next tile while the compute warpgroups finish the last one and handing it to them
 through shared memory and two mbarriers, so whatever holds the other SMs (another kernel, MPS
 clients, a grid larger than the SMs left), a running CTA waits for rows whose producer has
@@ -134,7 +134,7 @@ def _sm_count() -> int:
 # Claim words after the ready flags: the tile counter (two words, keeping the uint64 flags
 # aligned).
 CLAIM_WORDS = 2
-# Tiles per claim in a walk that waits (consecutive in the walk order). One: the claim's
+# Tiles per claim (consecutive in the walk order). One: the claim's
 # atomic is taken by the memory warpgroup while the compute warpgroups finish a tile, so
 # groups would only widen the span of tiles in flight (less of a and w shared in L2).
 CLAIM_GROUP = 1
@@ -304,7 +304,7 @@ class _Layout:
   blocks_of: tuple      # operand index -> its rows // R (RESULT last)
   has_rank: bool
   flag_rows: int        # 0: no producer flags
-  ready_rows: int       # 0: no consumer waits
+  ready_rows: int
   ready_flags: int      # uint64 ready flags before the claim words
   ready_value: int
   ordered: bool
@@ -353,7 +353,7 @@ def _kernel_body(lay: _Layout, *refs):
   w_gmem = refs.pop(0)
   operands = [refs.pop(0) for _ in range(lay.n_operands)]
   rank_gmem = refs.pop(0) if lay.has_rank else None
-  ready_gmem = refs.pop(0) if lay.ready_rows else None
+  ready_gmem = refs.pop(0)
   flags_gmem = refs.pop(0) if lay.flag_rows else None
   if lay.has_result:
     operands.append(refs.pop(0))  # operands[RESULT]
@@ -402,9 +402,9 @@ def _kernel_body(lay: _Layout, *refs):
       allocs=pipeline(nothing, nothing).get_allocations(a0, w_gmem),
       stage=plgpu.SMEM((COMPUTE_WGS, EPI_SLOTS, EPI, EPI), out_dtype, transforms=out_transforms),
       # a walk that waits: the claimed tiles handed from the memory warpgroup to the others
-      tiles=plgpu.SMEM((2,), jnp.int32) if lay.ready_rows else None,
-      full=plgpu.Barrier(num_arrivals=1, num_barriers=2) if lay.ready_rows else None,
-      empty=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2) if lay.ready_rows else None,
+      tiles=plgpu.SMEM((2,), jnp.int32),
+      full=plgpu.Barrier(num_arrivals=1, num_barriers=2),
+      empty=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2),
       collective_axes="wg")
   def _scope(allocs, stage, tiles, full, empty):
     wg = lax.axis_index("wg")
@@ -510,40 +510,38 @@ def _kernel_body(lay: _Layout, *refs):
               functools.partial(run_block, blk))
       return flag if flags_gmem is not None else carry
 
+    # Tiles are claimed in walk order from a counter (a walk that waits must: docs/design.md,
+    # "Forward progress"; one that does not runs faster so than with tiles by index: a CTA
+    # that runs slower takes fewer tiles).
     total = m_tiles * n_tiles
-    if lay.ready_rows:  # a walk that waits claims its tiles in walk order
-      counter = ready_gmem.at[pl.ds(2 * lay.ready_flags, 1)]
-      is_memory = wg == COMPUTE_WGS
+    counter = ready_gmem.at[pl.ds(2 * lay.ready_flags, 1)]
+    is_memory = wg == COMPUTE_WGS
 
-      def next_tile(t, i):
-        """The CTA's i-th tile (after tile t): the memory warpgroup claims it and hands it to
-        the compute warpgroups through slot i % 2 (full: written, empty: read by both), so
-        it never waits for their epilogue."""
-        s = lax.rem(i, 2)
+    def next_tile(t, i):
+      """The CTA's i-th tile (after tile t): the memory warpgroup claims it and hands it to
+      the compute warpgroups through slot i % 2 (full: written, empty: read by both), so it
+      never waits for their epilogue."""
+      s = lax.rem(i, 2)
 
-        @pl.when(is_memory)
-        def _claim():
-          pl.when(i >= 2)(lambda: plgpu.barrier_wait(empty.at[s]))
-          _publish_tile(counter, tiles.at[pl.ds(s, 1)], t + 1, lay.claim_group)
-          plgpu.barrier_arrive(full.at[s])
+      @pl.when(is_memory)
+      def _claim():
+        pl.when(i >= 2)(lambda: plgpu.barrier_wait(empty.at[s]))
+        _publish_tile(counter, tiles.at[pl.ds(s, 1)], t + 1, lay.claim_group)
+        plgpu.barrier_arrive(full.at[s])
 
-        pl.when(~is_memory)(lambda: plgpu.barrier_wait(full.at[s]))
-        nt = _read_tile(tiles.at[pl.ds(s, 1)])
-        pl.when(~is_memory)(lambda: plgpu.barrier_arrive(empty.at[s]))
-        return nt
+      pl.when(~is_memory)(lambda: plgpu.barrier_wait(full.at[s]))
+      nt = _read_tile(tiles.at[pl.ds(s, 1)])
+      pl.when(~is_memory)(lambda: plgpu.barrier_arrive(empty.at[s]))
+      return nt
 
-      def claimed(c):
-        t, i, carry = c
-        carry = tile(t, carry)
-        return next_tile(t, i + 1), i + 1, carry
+    def claimed(c):
+      t, i, carry = c
+      carry = tile(t, carry)
+      return next_tile(t, i + 1), i + 1, carry
 
-      _, _, last_flag = lax.while_loop(
-          lambda c: c[0] < total, claimed,
-          (next_tile(jnp.int32(-1), jnp.int32(0)), jnp.int32(0), jnp.int32(-1)))
-    else:
-      @plgpu.nd_loop((total,), collective_axes="sm", init_carry=jnp.int32(-1))
-      def last_flag(info, carry):
-        return tile(info.index[0], carry)
+    _, _, last_flag = lax.while_loop(
+        lambda c: c[0] < total, claimed,
+        (next_tile(jnp.int32(-1), jnp.int32(0)), jnp.int32(0), jnp.int32(-1)))
 
     if defer:  # this CTA's last tile (memory warpgroup: last)
       @pl.when((wg < COMPUTE_WGS) & (last_flag >= 0))
@@ -553,7 +551,7 @@ def _kernel_body(lay: _Layout, *refs):
   plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
 
-def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
+def walk_matmul(w, operands, walk, rows, *, ready, result=None, rank=None,
                 ready_rows=TILE_M, ready_value=1, flags=None, flag_rows=TILE_M, _ordered=True):
   """Runs a walk (module docstring): every WalkBlock's R = `rows` rows of out = a @ w (or
   out += a @ w). operands: arrays [., K] (a) or [., N] (out, written in place); result: (rows, dtype) of
@@ -562,7 +560,8 @@ def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
   operand written in place (and of `flags`) must depend on it. rank: this rank (an int32
   scalar, e.g. axis_index), for Rows.by_rank. ready: int32 [ready_words(flags)], zero before
   the kernel: a uint64 flag per ready_rows rows of the blocks waited for
-  (WalkBlock.ready_block), then the tile claims. flags: int32
+  (WalkBlock.ready_block), then the tile claims (ready_words(0): the claims alone, in a walk
+  that waits for nothing). flags: int32
   [len(walk) * rows // flag_rows], per flag_rows rows of the walk (those of blocks with
   `flag` are raised), zero before the kernel."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -581,23 +580,21 @@ def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
       raise ValueError(f"jax_hoccl flagged GEMM: operand {name} has {x.shape[0]} rows, not a "
                        f"multiple of R={rows}")
   for name, r, used in (("flag_rows", flag_rows, flags is not None),
-                        ("ready_rows", ready_rows, ready is not None)):
+                        ("ready_rows", ready_rows, True)):
     if used and (r % TILE_M or rows % r):
       raise ValueError(f"jax_hoccl flagged GEMM: {name}={r} must be a multiple of {TILE_M} "
                        f"dividing R={rows}")
-  if ready is not None and (ready.shape[0] < CLAIM_WORDS or ready.shape[0] % 2):
+  if ready.shape[0] < CLAIM_WORDS or ready.shape[0] % 2:
     raise ValueError(f"jax_hoccl flagged GEMM: ready must have ready_words(flags) = "
                      f"{CLAIM_WORDS} + 2 * flags words, got {ready.shape[0]}")
   if any(b.add and b.out.ref == RESULT for b in walk):
     raise ValueError("jax_hoccl flagged GEMM: a block adds into an operand, not the result")
-  if any(b.wait for b in walk) != (ready is not None) or any(b.flag for b in walk) != (
-      flags is not None):
-    raise ValueError("jax_hoccl flagged GEMM: ready/flags must be given exactly when the walk "
-                     "waits/raises flags")
+  if any(b.flag for b in walk) != (flags is not None):
+    raise ValueError("jax_hoccl flagged GEMM: flags must be given exactly when the walk "
+                     "raises them")
   lay = _Layout(walk=walk, rows=rows, k=k, n=n, blocks_of=tuple(blocks_of),
                 has_rank=rank is not None, flag_rows=flag_rows if flags is not None else 0,
-                ready_rows=ready_rows if ready is not None else 0,
-                ready_flags=(ready.shape[0] - CLAIM_WORDS) // 2 if ready is not None else 0,
+                ready_rows=ready_rows, ready_flags=(ready.shape[0] - CLAIM_WORDS) // 2,
                 ready_value=int(ready_value),
                 ordered=bool(_ordered), n_operands=len(operands), has_result=result is not None,
                 claim_group=CLAIM_GROUP)
@@ -609,7 +606,7 @@ def walk_matmul(w, operands, walk, rows, *, result=None, rank=None, ready=None,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   if rank is not None:
     rank = jnp.asarray(rank, jnp.int32).reshape(1)  # read in-kernel from global memory
-  extra = [x for x in (rank, ready, flags) if x is not None]
+  extra = [x for x in (rank, ready, flags) if x is not None]  # (ready: always)
   out = kernel(w, *operands, *extra)
   if result is None:
     return out
@@ -623,9 +620,10 @@ def flagged_matmul(a, b, *, out=None, add=False, flags=None, flag_rows=TILE_M, _
   `flags`, raised per flag_rows rows) the token of walk_matmul, `out` written in place
   (with add: out += a @ b)."""
   m = a.shape[0]
+  ready = jnp.zeros((ready_words(0),), jnp.int32)  # the tile claims alone
   operands = [a] + ([out] if out is not None else [])
   out_rows = Rows(1, 0) if out is not None else Rows(RESULT, 0)
   result = None if out is not None else (m, a.dtype)
   walk = [WalkBlock(a=Rows(0, 0), out=out_rows, add=add, flag=flags is not None)]
   return walk_matmul(b, operands, walk, m, result=result, flags=flags, flag_rows=flag_rows,
-                     _ordered=_ordered)
+                     ready=ready, _ordered=_ordered)
