@@ -26,24 +26,23 @@ walks of it.
 Why our own kernel: cuBLAS cannot say which tiles are done (CUDA 13 removed its progress
 counters), and cutting a cuBLAS GEMM into row pieces costs 4-13% per piece (docs/design.md).
 
-Forward progress (docs/design.md): a CTA that waits only ever waits for rows of earlier
-tiles of the walk order (no band of the walk holds tiles of two blocks), brought by copy
-engines. Tiles are claimed in walk order from a counter (tile t is taken only once tiles
-0..t-1 were taken by CTAs that are running), each CTA's memory warpgroup
-claiming its next tile while the compute warpgroups finish the last one and handing it to them
-through shared memory and two mbarriers, so whatever holds the other SMs (another kernel, MPS
-clients, a grid larger than the SMs left), a running CTA waits for rows whose producer has
-started: a peer's running CTA, whose own waits are on still earlier tiles. Where ranks share a GPU their copies are kernels
-that need the SMs a spinning CTA holds, so the fused ops do not take walks that wait there
-(peer_wait_reason).
+Forward progress (docs/design.md): a CTA that waits only ever waits for rows of earlier tiles of
+the walk order (no band of the walk holds tiles of two blocks), brought by copy engines. Tiles
+are claimed in walk order from a counter (tile t is taken only once tiles 0..t-1 were taken by
+CTAs that are running), each CTA's memory warpgroup claiming its next tile while the compute
+warpgroups finish the last one and handing it to them through shared memory and two mbarriers,
+so whatever holds the other SMs (another kernel, MPS clients, a grid larger than the SMs left),
+a running CTA waits for rows whose producer has started: a peer's running CTA, whose own waits
+are on still earlier tiles. Where ranks share a GPU their copies are kernels that need the SMs a
+spinning CTA holds, so the fused ops do not take walks that wait there (peer_wait_reason).
 
 Layout of the work: CTA tiles of 128 x 256 output elements (two compute warpgroups of 64 x 256
-one above the other, one warpgroup issuing TMA loads, one wgmma left in flight behind the one issued), walked
-in bands of BAND_TILES row tiles (all columns of a band before the next band, rows minor inside
-it), so blocks of rows finish in order and the band's slice of `a` stays in L2. A block whose
-rows copy engines read is written in place into an operand (the addresses must be known to the
-copy-engine streams before the kernel runs); the kernel's own result (or a token) orders every
-later reader after it.
+one above the other, one warpgroup issuing TMA loads, one wgmma left in flight behind the one
+issued), walked in bands of BAND_TILES row tiles (all columns of a band before the next band,
+rows minor inside it), so blocks of rows finish in order and the band's slice of `a` stays in
+L2. A block whose rows copy engines read is written in place into an operand (the addresses must
+be known to the copy-engine streams before the kernel runs); the kernel's own result (or a
+token) orders every later reader after it.
 """
 from __future__ import annotations
 
@@ -401,7 +400,7 @@ def _kernel_body(lay: _Layout, *refs):
       pl.run_scoped,
       allocs=pipeline(nothing, nothing).get_allocations(a0, w_gmem),
       stage=plgpu.SMEM((COMPUTE_WGS, EPI_SLOTS, EPI, EPI), out_dtype, transforms=out_transforms),
-      # a walk that waits: the claimed tiles handed from the memory warpgroup to the others
+      # the claimed tiles, handed from the memory warpgroup to the others
       tiles=plgpu.SMEM((2,), jnp.int32),
       full=plgpu.Barrier(num_arrivals=1, num_barriers=2),
       empty=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2),
