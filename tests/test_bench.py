@@ -87,6 +87,9 @@ def test_per_call_rows_set_each_collective_beside_the_program_without_it(tmp_pat
     switches = r["switches_per_call_by_rank"] + r["baseline_switches_per_call_by_rank"]
     assert len(switches) == 4 and all(len(s) == 2 and min(s) >= 0 for s in switches), r
     assert any(s[0] > 0 for s in switches), r  # waiting for a peer blocks some thread
+    for total, dispatch in ((r["us_per_call_by_rank"], r["dispatch_us_per_call_by_rank"]), (
+        r["baseline_us_per_call_by_rank"], r["baseline_dispatch_us_per_call_by_rank"])):
+      assert all(0 < d <= t for d, t in zip(dispatch, total)) and len(dispatch) == 2, r
     assert r["baseline_us_per_call"] in r["baseline_us_per_call_by_rank"], r
     assert "us_per_round" not in r and "baseline_us_per_round" not in r, r
   assert isinstance(result["host_profile"], list)  # (phases are counted by the CUDA engine)
@@ -228,7 +231,9 @@ def test_processes_on_a_gpu_repeat_a_setting_that_runs_alone(monkeypatch, tmp_pa
                baseline_us_per_call_by_rank=[1.0] * n, cpu_us_per_call_by_rank=[1.0] * n,
                baseline_cpu_us_per_call_by_rank=[1.0] * n,
                switches_per_call_by_rank=[[0, 0]] * n,
-               baseline_switches_per_call_by_rank=[[0, 0]] * n)
+               baseline_switches_per_call_by_rank=[[0, 0]] * n,
+               dispatch_us_per_call_by_rank=[0.5] * n,
+               baseline_dispatch_us_per_call_by_rank=[0.5] * n)
     return [row], "gpu"
 
   monkeypatch.setattr(processes, "_run", run)
@@ -332,7 +337,8 @@ def test_the_job_counts_a_rank_slow_on_its_own_once():
   def row(ours, theirs):
     return {"us_per_round": ours, "baseline_us_per_round": theirs, "cpu_us": ours[0] / 2,
             "baseline_cpu_us": theirs[0] / 2, "switches": [ours[0] / 10, 1.0],
-            "baseline_switches": [theirs[0] / 10, 0.0],
+            "baseline_switches": [theirs[0] / 10, 0.0], "dispatch_us": ours[0] / 4,
+            "baseline_dispatch_us": theirs[0] / 4,
             "added_us": statistics.median([a - b for a, b in zip(ours, theirs)])}
 
   fast = row([95.0, 96.0, 94.0], [50.0, 51.0, 49.0])
@@ -347,8 +353,10 @@ def test_the_job_counts_a_rank_slow_on_its_own_once():
   assert out[0]["baseline_cpu_us_by_rank"] == [25.0, 45.0]
   assert out[0]["baseline_switches_by_rank"] == [[5.0, 0.0], [9.0, 0.0]]
   assert out[0]["switches_by_rank"] == [[9.5, 1.0], [9.5, 1.0]]
+  assert out[0]["baseline_dispatch_us_by_rank"] == [12.5, 22.5]
+  assert out[0]["dispatch_us_by_rank"] == [23.75, 23.75]
   assert "us_per_round" not in out[0] and "cpu_us" not in out[0] and out[1] == plain
-  assert "switches" not in out[0]
+  assert "switches" not in out[0] and "dispatch_us" not in out[0]
 
 
 def test_gpu_results_are_named_by_the_gpu_they_ran_on(monkeypatch):

@@ -21,21 +21,24 @@ def _switches() -> tuple[int, int]:
   return usage.ru_nvcsw, usage.ru_nivcsw
 
 
-def _round_us(f, args, calls: int) -> tuple[float, float, float, float]:
-  """Wall time, the process's CPU time, and its voluntary and involuntary context switches,
-  per call of `calls` calls back to back (each call's output the next one's first argument),
-  waited for at the end; after one call waited for (see the module's doc). The CPU time and
-  the switches count every thread of the process (its CPU time ran at about twice the wall
-  time on a GPU under MPS): a thread that blocks switches voluntarily, one the kernel takes
-  the CPU from switches involuntarily."""
+def _round_us(f, args, calls: int) -> tuple[float, float, float, float, float]:
+  """Wall time, the process's CPU time, its voluntary and involuntary context switches, and
+  the time until the last call returned (dispatched, not waited for), per call of `calls`
+  calls back to back (each call's output the next one's first argument), waited for at the
+  end; after one call waited for (see the module's doc). The CPU time and the switches count
+  every thread of the process (its CPU time ran at about twice the wall time on a GPU under
+  MPS): a thread that blocks switches voluntarily, one the kernel takes the CPU from switches
+  involuntarily. A round whose dispatch takes its whole time was held by the host; one that
+  dispatches early and then waits, by the device."""
   y = f(*args).block_until_ready()
   t0, c0, (v0, i0) = time.perf_counter(), time.process_time(), _switches()
   for _ in range(calls):
     y = f(y, *args[1:])
+  dispatched = time.perf_counter()
   y.block_until_ready()
   v1, i1 = _switches()
   return ((time.perf_counter() - t0) / calls * 1e6, (time.process_time() - c0) / calls * 1e6,
-          (v1 - v0) / calls, (i1 - i0) / calls)
+          (v1 - v0) / calls, (i1 - i0) / calls, (dispatched - t0) / calls * 1e6)
 
 
 def calls_made(rounds: int, calls: int) -> int:
@@ -57,7 +60,8 @@ def paired(f, baseline, args, rounds: int = ROUNDS, calls: int = CALLS) -> dict:
   differences; "added_quartiles_us", "added_per_round_us"; "us_per_round",
   "baseline_us_per_round"; "cpu_us", "baseline_cpu_us": the medians of the process's CPU time
   per call; "switches", "baseline_switches": the medians of its voluntary and involuntary
-  context switches per call} for `f` and `baseline` called on the same `args` (both compiled
+  context switches per call; "dispatch_us", "baseline_dispatch_us": the medians of the time
+  per call until the round's last call returned} for `f` and `baseline` called on the same `args` (both compiled
   by a first call here)."""
   f(*args).block_until_ready()
   baseline(*args).block_until_ready()
@@ -76,4 +80,6 @@ def paired(f, baseline, args, rounds: int = ROUNDS, calls: int = CALLS) -> dict:
           "added_per_round_us": added, "us_per_round": ours, "baseline_us_per_round": theirs,
           "cpu_us": statistics.median(t[1] for t in timed[0]),
           "baseline_cpu_us": statistics.median(t[1] for t in timed[1]),
-          "switches": switches(timed[0]), "baseline_switches": switches(timed[1])}
+          "switches": switches(timed[0]), "baseline_switches": switches(timed[1]),
+          "dispatch_us": statistics.median(t[4] for t in timed[0]),
+          "baseline_dispatch_us": statistics.median(t[4] for t in timed[1])}

@@ -41,7 +41,9 @@ slower on its own counts once, not as a cost to the peers that wait for it), and
 medians ("us_per_call_by_rank", "baseline_us_per_call_by_rank", and its process's CPU time
 per call: "cpu_us_per_call_by_rank", "baseline_cpu_us_per_call_by_rank"; its context
 switches per call, [voluntary, involuntary]: "switches_per_call_by_rank",
-"baseline_switches_per_call_by_rank"); "path" is the path
+"baseline_switches_per_call_by_rank"; its time per call until a round's last call returned,
+before the round waits for the device: "dispatch_us_per_call_by_rank",
+"baseline_dispatch_us_per_call_by_rank"); "path" is the path
 the op's calls took ("staged", "rendezvous" or "zero_copy", as the engine counted them on
 CPU); on a GPU's staged rows, "exchange": "packed" (the packed exchange, blocks up to
 JAX_HOCCL_STAGED_PACKED_BYTES), "kernel" or "copy_calls" (and for psum and psum_scatter
@@ -185,7 +187,9 @@ WORKER = textwrap.dedent("""
                              us_per_round=t["us_per_round"],
                              baseline_us_per_round=t["baseline_us_per_round"],
                              cpu_us=t["cpu_us"], baseline_cpu_us=t["baseline_cpu_us"],
-                             switches=t["switches"], baseline_switches=t["baseline_switches"]))
+                             switches=t["switches"], baseline_switches=t["baseline_switches"],
+                             dispatch_us=t["dispatch_us"],
+                             baseline_dispatch_us=t["baseline_dispatch_us"]))
     print("RESULT" + json.dumps({"rows": rows, "platform": jax.devices()[0].platform}), flush=True)
     os._exit(0)
 """)
@@ -206,7 +210,9 @@ def _run(n: int, env: dict):
              cpu_us_per_call_by_rank=r.pop("cpu_us_by_rank"),
              baseline_cpu_us_per_call_by_rank=r.pop("baseline_cpu_us_by_rank"),
              switches_per_call_by_rank=r.pop("switches_by_rank"),
-             baseline_switches_per_call_by_rank=r.pop("baseline_switches_by_rank"))
+             baseline_switches_per_call_by_rank=r.pop("baseline_switches_by_rank"),
+             dispatch_us_per_call_by_rank=r.pop("dispatch_us_by_rank"),
+             baseline_dispatch_us_per_call_by_rank=r.pop("baseline_dispatch_us_by_rank"))
   return rows, found[0]["platform"]
 
 
@@ -258,7 +264,9 @@ def _over_jobs(jobs: list[list[dict]]) -> list[dict]:
     job = [a for r in per_job for a in r["job_added_per_round_us"]]
     by_rank = {k: [statistics.median(v) for v in zip(*(r[k] for r in per_job))]
                for k in ("us_per_call_by_rank", "baseline_us_per_call_by_rank",
-                         "cpu_us_per_call_by_rank", "baseline_cpu_us_per_call_by_rank")}
+                         "cpu_us_per_call_by_rank", "baseline_cpu_us_per_call_by_rank",
+                         "dispatch_us_per_call_by_rank",
+                         "baseline_dispatch_us_per_call_by_rank")}
     by_rank.update({k: [[statistics.median(v) for v in zip(*rank)]
                         for rank in zip(*(r[k] for r in per_job))]
                     for k in ("switches_per_call_by_rank", "baseline_switches_per_call_by_rank")})
@@ -267,7 +275,9 @@ def _over_jobs(jobs: list[list[dict]]) -> list[dict]:
         "job_added_us_by_job": [statistics.median(r["job_added_per_round_us"]) for r in per_job],
         "cpu_us_per_call_by_rank_by_job": [r["cpu_us_per_call_by_rank"] for r in per_job],
         "baseline_cpu_us_per_call_by_rank_by_job": [r["baseline_cpu_us_per_call_by_rank"]
-                                                    for r in per_job]}
+                                                    for r in per_job],
+        "dispatch_us_per_call_by_rank_by_job": [r["dispatch_us_per_call_by_rank"]
+                                                for r in per_job]}
     out.append(dict(
         per_job[0], jobs=len(per_job), **by_job,
         us_per_call=statistics.median(r["us_per_call"] for r in per_job),

@@ -49,14 +49,16 @@ def with_job(rows_per_rank, keys) -> list[dict]:
   "job_added_per_round_us"), and every rank's medians ("us_by_rank", "baseline_us_by_rank",
   and its process's CPU time per call: "cpu_us_by_rank", "baseline_cpu_us_by_rank"; where
   the rows have them, its context switches per call, [voluntary, involuntary]:
-  "switches_by_rank", "baseline_switches_by_rank").
+  "switches_by_rank", "baseline_switches_by_rank", and its time per call until a round's
+  last call returned: "dispatch_us_by_rank", "baseline_dispatch_us_by_rank").
   A rank slower on its own than its peers then counts once, not as what the collective adds
   to the others, which wait for it. The rounds' own lists are dropped."""
   rows = []
   for row, per_rank in zip(slowest_by(rows_per_rank, keys), zip(*rows_per_rank)):
     row = {k: v for k, v in row.items()
            if k not in ("us_per_round", "baseline_us_per_round", "cpu_us", "baseline_cpu_us",
-                        "switches", "baseline_switches")}
+                        "switches", "baseline_switches", "dispatch_us",
+                        "baseline_dispatch_us")}
     if "us_per_round" in per_rank[0]:
       ours = [max(rounds) for rounds in zip(*(r["us_per_round"] for r in per_rank))]
       theirs = [max(rounds) for rounds in zip(*(r["baseline_us_per_round"] for r in per_rank))]
@@ -71,5 +73,8 @@ def with_job(rows_per_rank, keys) -> list[dict]:
       if "switches" in per_rank[0]:
         row.update(switches_by_rank=[r["switches"] for r in per_rank],
                    baseline_switches_by_rank=[r["baseline_switches"] for r in per_rank])
+      if "dispatch_us" in per_rank[0]:
+        row.update(dispatch_us_by_rank=[r["dispatch_us"] for r in per_rank],
+                   baseline_dispatch_us_by_rank=[r["baseline_dispatch_us"] for r in per_rank])
     rows.append(row)
   return rows
