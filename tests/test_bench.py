@@ -245,6 +245,7 @@ def test_processes_on_a_gpu_repeat_a_setting_that_runs_alone(monkeypatch, tmp_pa
     assert len(rows[0]["added_per_round_us"]) == processes.JOBS  # every job's rounds pooled
     assert rows[0]["added_us_by_job"] == [float(j + 1) for j in range(processes.JOBS)]
     assert len(rows[0]["cpu_us_per_call_by_rank_by_job"]) == processes.JOBS
+    assert rows[0]["dispatch_us_per_call_by_rank_by_job"] == [[0.5, 0.5]] * processes.JOBS
   else:
     assert timed == [2] * settings + [4] * settings
     assert all(r["jobs"] == 1 for r in rows) and len(rows) == 2 * settings

@@ -22,13 +22,15 @@ JAX_HOCCL_STAGED_BYTES set by the caller runs alone. 16 MiB per rank is above th
 both paths' rows are zero copy there. Without a GPU, and on one where a setting runs alone,
 the jobs repeat (JOBS times: the machine may be shared, and on a GPU one job's rows of a
 setting may read far from the next job's: docs/design.md, section 4) and a row pools their
-rounds, keeping each job's own medians ("added_us_by_job", "job_added_us_by_job") and its
-ranks' CPU time per call ("cpu_us_per_call_by_rank_by_job",
-"baseline_cpu_us_per_call_by_rank_by_job"). On a GPU a short job runs first under each MPS daemon, its rows dropped (WARM_UP),
-and a job whose ranks ran the program without the collective more than SKEWED times apart
-(one rank in a slow spell of host work outside jax_hoccl, which its peers wait for) runs
-again, up to SPELL_RERUNS times; the least skewed job is kept, and its rows say how many ran
-("spell_reruns") and how far apart its ranks were ("rank_skew").
+rounds, keeping each job's own medians ("added_us_by_job", "job_added_us_by_job"), its ranks'
+CPU time per call ("cpu_us_per_call_by_rank_by_job",
+"baseline_cpu_us_per_call_by_rank_by_job") and their dispatch time per call
+("dispatch_us_per_call_by_rank_by_job"). On a GPU a short job runs first under each MPS
+daemon, its rows dropped (WARM_UP), and a job whose ranks ran the program without the
+collective more than SKEWED times apart (one rank in a slow spell of host work outside
+jax_hoccl, which its peers wait for) runs again, up to SPELL_RERUNS times; the least skewed
+job is kept, and its rows say how many ran ("spell_reruns") and how far apart its ranks were
+("rank_skew").
 
     python -m jax_hoccl.bench --processes [--out DIR]
 
@@ -270,14 +272,13 @@ def _over_jobs(jobs: list[list[dict]]) -> list[dict]:
     by_rank.update({k: [[statistics.median(v) for v in zip(*rank)]
                         for rank in zip(*(r[k] for r in per_job))]
                     for k in ("switches_per_call_by_rank", "baseline_switches_per_call_by_rank")})
-    by_job = {  # each job's own figures: a job in a slow spell shows apart
-        "added_us_by_job": [statistics.median(r["added_per_round_us"]) for r in per_job],
-        "job_added_us_by_job": [statistics.median(r["job_added_per_round_us"]) for r in per_job],
-        "cpu_us_per_call_by_rank_by_job": [r["cpu_us_per_call_by_rank"] for r in per_job],
-        "baseline_cpu_us_per_call_by_rank_by_job": [r["baseline_cpu_us_per_call_by_rank"]
-                                                    for r in per_job],
-        "dispatch_us_per_call_by_rank_by_job": [r["dispatch_us_per_call_by_rank"]
-                                                for r in per_job]}
+    # each job's own figures: a job in a slow spell shows apart
+    by_job = {"added_us_by_job": [statistics.median(r["added_per_round_us"]) for r in per_job],
+              "job_added_us_by_job": [statistics.median(r["job_added_per_round_us"])
+                                      for r in per_job],
+              **{f"{k}_by_job": [r[k] for r in per_job]
+                 for k in ("cpu_us_per_call_by_rank", "baseline_cpu_us_per_call_by_rank",
+                           "dispatch_us_per_call_by_rank")}}
     out.append(dict(
         per_job[0], jobs=len(per_job), **by_job,
         us_per_call=statistics.median(r["us_per_call"] for r in per_job),
