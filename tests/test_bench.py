@@ -69,11 +69,15 @@ def test_per_call_rows_set_each_collective_beside_the_program_without_it(tmp_pat
   monkeypatch.setattr(processes, "ROUNDS", 4)
   monkeypatch.setattr(processes, "CALLS", 50)
   monkeypatch.delenv("JAX_HOCCL_STAGED_BYTES", raising=False)
-  result = json.load(open(processes.run(str(tmp_path), "test")))
+  path = processes.run(str(tmp_path), "test")
+  assert os.path.dirname(path) == str(tmp_path) and path.endswith("-per-call.json"), path
+  result = json.load(open(path))
   rows = result["per_call"]
-  assert [(r["op"], r["bytes_per_rank"], r["ranks"], r["mps"], r["path"]) for r in rows] == [
-      ("psum", 4096, 2, False, "staged"), ("ppermute", 4096, 2, False, "staged"),
-      ("psum", 4096, 2, False, "rendezvous"), ("ppermute", 4096, 2, False, "rendezvous")]
+  assert [(r["op"], r["bytes_per_rank"], r["ranks"], r["mps"], r["path"], r["setting"])
+          for r in rows] == [
+      ("psum", 4096, 2, False, "staged", "staged"), ("ppermute", 4096, 2, False, "staged", "staged"),
+      ("psum", 4096, 2, False, "rendezvous", "rendezvous"),
+      ("ppermute", 4096, 2, False, "rendezvous", "rendezvous")]
   assert all(r["us_per_call"] > 0 and r["baseline_us_per_call"] > 0 for r in rows), rows
   for r in rows:  # the paired rounds' differences: their median and quartiles
     added = r["added_per_round_us"]
@@ -123,11 +127,12 @@ def test_per_call_rows_of_donated_calls(tmp_path, monkeypatch):
   monkeypatch.setattr(processes, "JOBS", 1)
   monkeypatch.setattr(processes, "ROUNDS", 3)
   monkeypatch.setattr(processes, "CALLS", 20)
-  monkeypatch.setattr(processes, "_settings", lambda gpu, flags: [{"BENCH_DONATE": "1"}])
+  monkeypatch.setattr(processes, "settings",
+                      lambda gpu, flags: {"donated": {"BENCH_DONATE": "1"}})
   monkeypatch.delenv("JAX_HOCCL_STAGED_BYTES", raising=False)
   rows = json.load(open(processes.run(str(tmp_path), "test")))["per_call"]
-  assert [(r["op"], r["path"], r["donated"]) for r in rows] == [
-      ("psum", "staged", True), ("all_gather", "staged", True)], rows
+  assert [(r["op"], r["path"], r["donated"], r["setting"]) for r in rows] == [
+      ("psum", "staged", True, "donated"), ("all_gather", "staged", True, "donated")], rows
   assert all(r["us_per_call"] > 0 and len(r["added_per_round_us"]) == 3 for r in rows), rows
 
 
@@ -170,13 +175,14 @@ def test_processes_on_a_gpu_time_both_sums_with_and_without_graphs(monkeypatch):
   with every program in CUDA graphs."""
   from jax_hoccl.bench import processes
   monkeypatch.delenv("JAX_HOCCL_STAGED_BYTES", raising=False)
-  settings = processes._settings(True, "--flags")
+  settings = [env for _, env in processes._settings(True, "--flags")]
   graphs = {"XLA_FLAGS": f"--flags {processes.CAPTURED_FLAG}"}
   for want in ({}, {"JAX_HOCCL_STAGED_SUM": "0"}, graphs, {**graphs, "JAX_HOCCL_STAGED_SUM": "0"},
                {"JAX_HOCCL_STAGED_KERNEL": "0"}, {"JAX_HOCCL_STAGED_BYTES": "0"},
                {"JAX_HOCCL_STAGED_PACKED_BYTES": "0"}, {**graphs, "BENCH_DONATE": "1"}):
     assert want in settings, settings
-  assert processes._settings(False, "") == [{}, {"JAX_HOCCL_STAGED_BYTES": "0"}]
+  assert processes._settings(False, "") == [("staged", {}),
+                                            ("rendezvous", {"JAX_HOCCL_STAGED_BYTES": "0"})]
 
 
 def test_processes_on_a_gpu_warm_each_mps_daemon_up_first(monkeypatch, tmp_path):
@@ -205,6 +211,38 @@ def test_processes_on_a_gpu_warm_each_mps_daemon_up_first(monkeypatch, tmp_path)
     first, timed = jobs[0], jobs[1:]
     assert {k: first[k] for k in processes.WARM_UP} == processes.WARM_UP
     assert timed and all(env["OPS"] == json.dumps(processes.OPS) for env in timed)
+
+
+def test_processes_run_the_settings_named(monkeypatch, tmp_path):
+  """bench --processes --settings: only the settings named run, in that order (rows carry
+  their setting's name: test_per_call_rows_of_donated_calls); an unknown name fails before
+  any job, naming the known ones."""
+  import contextlib
+  from jax_hoccl.bench import processes
+  from jax_hoccl.bench.__main__ import parse_args
+  assert parse_args(["--processes", "--settings", "graphs,staged"]).settings == "graphs,staged"
+  with pytest.raises(SystemExit):
+    parse_args(["--settings", "graphs"])
+  monkeypatch.delenv("JAX_HOCCL_STAGED_BYTES", raising=False)
+  monkeypatch.setattr(processes.glob, "glob", lambda pattern: ["/dev/nvidia0"])
+  monkeypatch.setattr(processes, "mps_daemon", lambda: contextlib.nullcontext({}))
+  envs = []
+
+  def run(n, env):
+    if env.get("OPS") == processes.WARM_UP["OPS"] or env.get("JAX_HOCCL_PROFILE"):
+      return [], "gpu"
+    envs.append(env)
+    return [], "gpu"
+
+  monkeypatch.setattr(processes, "_run", run)
+  processes.run(str(tmp_path), "test", ["graphs", "staged"])
+  flags = [processes.CAPTURED_FLAG in e["XLA_FLAGS"] for e in envs]
+  assert flags == [True, False, True, False], flags  # 2 ranks, then 4
+  assert not any("JAX_HOCCL_STAGED_SUM" in e or "BENCH_DONATE" in e for e in envs), envs
+  envs.clear()
+  with pytest.raises(ValueError, match="graphs_donated"):
+    processes.run(str(tmp_path), "test", ["graph"])
+  assert not envs
 
 
 @pytest.mark.parametrize("alone", [False, True])

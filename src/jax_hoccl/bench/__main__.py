@@ -75,6 +75,9 @@ def parse_args(argv):
                        "with the SMs split")
   ap.add_argument("--processes", action="store_true",
                   help="host time per call across processes against inside one")
+  ap.add_argument("--settings", default="",
+                  help="with --processes: comma-separated settings (default: all; names in "
+                       "jax_hoccl/bench/processes.py, settings)")
   ap.add_argument("--steps", action="store_true",
                   help="steps of small layers and decode's GEMV + psum across processes, "
                        "command buffers on and off; the device time of chained collectives")
@@ -95,6 +98,8 @@ def parse_args(argv):
     ap.error("a results JSON goes with --plot or --model")
   if a.decode and not a.steps:
     ap.error("--decode goes with --steps")
+  if a.settings and not a.processes:
+    ap.error("--settings goes with --processes")
   if a.model and not a.results:  # the model needs the collectives section only, >= 1 MiB
     a.no_fused, a.no_interference = True, True
     a.sizes = a.sizes or "1,4,16"
@@ -124,7 +129,8 @@ def main(argv=None) -> int:
     return 0
   if a.processes:
     from jax_hoccl.bench import processes
-    print("wrote", processes.run(a.out, _commit()))
+    print("wrote", processes.run(a.out, _commit(), [n for n in a.settings.split(",") if n]
+                                 or None))
     return 0
 
   gpu = _gpu_present()

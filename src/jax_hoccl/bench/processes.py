@@ -17,8 +17,9 @@ after the exchange instead of inside the exchange kernel (JAX_HOCCL_STAGED_SUM=0
 sums with XLA recording every program into a CUDA graph (CAPTURED_FLAG: staged calls are
 replayed, their handler runs once), the sums inside the kernel also with each call's input
 donated (as a training loop's state: its output can take the input's buffer, so the addresses
-need not change and XLA need not update its graph before a launch). A
-JAX_HOCCL_STAGED_BYTES set by the caller runs alone. 16 MiB per rank is above the crossover:
+need not change and XLA need not update its graph before a launch): `settings` names them,
+and --settings runs those named alone. A JAX_HOCCL_STAGED_BYTES set by the caller runs alone
+(setting "environment"). 16 MiB per rank is above the crossover:
 both paths' rows are zero copy there. Without a GPU, and on one where a setting runs alone,
 the jobs repeat (JOBS times: the machine may be shared, and on a GPU one job's rows of a
 setting may read far from the next job's: docs/design.md, section 4) and a row pools their
@@ -32,9 +33,10 @@ jax_hoccl, which its peers wait for) runs again, up to SPELL_RERUNS times; the l
 job is kept, and its rows say how many ran ("spell_reruns") and how far apart its ranks were
 ("rank_skew").
 
-    python -m jax_hoccl.bench --processes [--out DIR]
+    python -m jax_hoccl.bench --processes [--settings staged,graphs] [--out DIR]
 
-Rows: {"op", "bytes_per_rank", "ranks", "mps", "path", "us_per_call", "baseline_us_per_call",
+Rows: {"op", "bytes_per_rank", "ranks", "mps", "setting", "path", "us_per_call",
+"baseline_us_per_call",
 "added_us_per_call", "spread_us" (the quartiles of the rounds' differences),
 "added_per_round_us", "jobs", "donated"}, from the rank the op adds most to; beside them what
 the op adds to the job, each round's slowest rank with it minus its slowest rank without
@@ -238,21 +240,34 @@ def _least_skewed(run, reruns: int):
   return [dict(r, spell_reruns=ran, rank_skew=skew) for r in best[0]], best[1]
 
 
-def _settings(gpu: bool, xla_flags: str) -> list[dict]:
-  """The crossover of each job: the caller's, else the default and 0 (both paths); on a GPU
-  also the staged path without the packed exchange (JAX_HOCCL_STAGED_PACKED_BYTES=0: the
-  exchange kernel with its flags at every size), its copy-call exchange, the staged sums by
-  XLA after the exchange (JAX_HOCCL_STAGED_SUM=0), every program in CUDA graphs with either
-  sum (`xla_flags`: the jobs' XLA flags), and in graphs with the sums inside the kernel and
-  each call's input donated (BENCH_DONATE=1)."""
-  if os.environ.get("JAX_HOCCL_STAGED_BYTES"):
-    return [{}]
+def settings(gpu: bool, xla_flags: str) -> dict[str, dict]:
+  """Every setting a job may run in, by name: its environment over the jobs'. The staged path
+  at the default crossover ("staged") and the per-call rendezvous (JAX_HOCCL_STAGED_BYTES=0:
+  "zero_copy" on a GPU, "rendezvous" without); on a GPU also the staged path without the
+  packed exchange ("unpacked": the exchange kernel with its flags at every size), its
+  copy-call exchange ("copy_calls"), the staged sums by XLA after the exchange ("xla_sum"),
+  every program in CUDA graphs with either sum ("graphs", "graphs_xla_sum"; `xla_flags`: the
+  jobs' XLA flags), and in graphs with each call's input donated ("graphs_donated")."""
   if not gpu:
-    return [{}, {"JAX_HOCCL_STAGED_BYTES": "0"}]
+    return {"staged": {}, "rendezvous": {"JAX_HOCCL_STAGED_BYTES": "0"}}
   graphs = {"XLA_FLAGS": f"{xla_flags} {CAPTURED_FLAG}"}
-  return [{}, {"JAX_HOCCL_STAGED_PACKED_BYTES": "0"}, {"JAX_HOCCL_STAGED_KERNEL": "0"},
-          {"JAX_HOCCL_STAGED_BYTES": "0"}, {"JAX_HOCCL_STAGED_SUM": "0"}, graphs,
-          {**graphs, "JAX_HOCCL_STAGED_SUM": "0"}, {**graphs, "BENCH_DONATE": "1"}]
+  return {"staged": {}, "unpacked": {"JAX_HOCCL_STAGED_PACKED_BYTES": "0"},
+          "copy_calls": {"JAX_HOCCL_STAGED_KERNEL": "0"},
+          "zero_copy": {"JAX_HOCCL_STAGED_BYTES": "0"}, "xla_sum": {"JAX_HOCCL_STAGED_SUM": "0"},
+          "graphs": graphs, "graphs_xla_sum": {**graphs, "JAX_HOCCL_STAGED_SUM": "0"},
+          "graphs_donated": {**graphs, "BENCH_DONATE": "1"}}
+
+
+def _settings(gpu: bool, xla_flags: str, names=None) -> list[tuple[str, dict]]:
+  """The settings the jobs run in, (name, environment): those named (all by default), or the
+  caller's crossover alone ("environment": JAX_HOCCL_STAGED_BYTES set by the caller)."""
+  if os.environ.get("JAX_HOCCL_STAGED_BYTES"):
+    return [("environment", {})]
+  known = settings(gpu, xla_flags)
+  unknown = [n for n in names or () if n not in known]
+  if unknown:
+    raise ValueError(f"unknown settings {unknown}; here: {', '.join(known)}")
+  return [(n, known[n]) for n in (names or known)]
 
 
 def _over_jobs(jobs: list[list[dict]]) -> list[dict]:
@@ -289,8 +304,9 @@ def _over_jobs(jobs: list[list[dict]]) -> list[dict]:
   return out
 
 
-def run(out_dir: str, commit: str) -> str:
-  """Runs the jobs; writes and returns the results JSON's path."""
+def run(out_dir: str, commit: str, names=None) -> str:
+  """Runs the jobs, in the settings `names` (all by default); writes and returns the results
+  JSON's path."""
   base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_HOCCL_NODE")}
   # XLA:CPU hangs with many launches in flight and few threads (docs/design.md, section 3).
   base.setdefault("PJRT_NPROC", "16")
@@ -298,6 +314,7 @@ def run(out_dir: str, commit: str) -> str:
   base.update(OPS=json.dumps(OPS), BYTES=json.dumps(BYTES_PER_RANK), ROUNDS=str(ROUNDS),
               CALLS=str(CALLS))
   gpu = bool(glob.glob("/dev/nvidia[0-9]*"))
+  _settings(gpu, "", names)  # an unknown name fails before any job
   load = [os.getloadavg()[0]]  # a shared machine's load, at the start and the end
   rows, profile = [], []
   name = os.path.join(out_dir, f"{datetime.date.today()}-{machine.file_tag(gpu)}-per-call.json")
@@ -311,18 +328,18 @@ def run(out_dir: str, commit: str) -> str:
         env = {**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
       if gpu:
         _run(n, {**env, **WARM_UP})
-      settings = _settings(gpu, env["XLA_FLAGS"])
-      jobs = JOBS if not gpu or len(settings) == 1 else 1  # (a GPU's device time is short)
-      per_setting = [[] for _ in settings]
+      chosen = _settings(gpu, env["XLA_FLAGS"], names)
+      jobs = JOBS if not gpu or len(chosen) == 1 else 1  # (a GPU's device time is short)
+      per_setting = [[] for _ in chosen]
       for _ in range(jobs):  # the settings alternate, so a busy spell hits both alike
-        for i, setting in enumerate(settings):
+        for i, (_, setting) in enumerate(chosen):
           job_rows, plat = _least_skewed(lambda: _run(n, {**env, **setting}),
                                          SPELL_RERUNS if gpu else 0)
           per_setting[i].append(job_rows)
-      for found in per_setting:
-        rows += [dict(r, mps=gpu) for r in _over_jobs(found)]
+      for (setting, _), found in zip(chosen, per_setting):
+        rows += [dict(r, setting=setting, mps=gpu) for r in _over_jobs(found)]
       if n == 2:  # the same calls with the handlers' host time counted by phase (64 KiB)
-        for setting in (s for s in settings if "XLA_FLAGS" not in s):  # handlers that run
+        for _, setting in (c for c in chosen if "XLA_FLAGS" not in c[1]):  # handlers that run
           found, _ = _run(n, {**env, **setting, "JAX_HOCCL_PROFILE": "1",
                               "BYTES": json.dumps([64 << 10])})
           profile += found
