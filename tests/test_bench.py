@@ -185,13 +185,24 @@ def test_processes_on_a_gpu_time_both_sums_with_and_without_graphs(monkeypatch):
                                             ("rendezvous", {"JAX_HOCCL_STAGED_BYTES": "0"})]
 
 
-def test_processes_on_a_gpu_warm_each_mps_daemon_up_first(monkeypatch, tmp_path):
-  """bench --processes on a GPU: under each MPS daemon a short job runs before the timed ones
-  (the first job after a daemon starts runs slow), and its rows are dropped."""
+@pytest.fixture
+def processes_on_a_gpu(monkeypatch):
+  """bench/processes.py as on a machine with a GPU (every setting, no caller's crossover), its
+  MPS daemons empty: the test stands in for the jobs."""
   import contextlib
   from jax_hoccl.bench import processes
   monkeypatch.delenv("JAX_HOCCL_STAGED_BYTES", raising=False)
   monkeypatch.setattr(processes.glob, "glob", lambda pattern: ["/dev/nvidia0"])
+  monkeypatch.setattr(processes, "mps_daemon", lambda: contextlib.nullcontext({}))
+  return processes
+
+
+def test_processes_on_a_gpu_warm_each_mps_daemon_up_first(processes_on_a_gpu, monkeypatch,
+                                                          tmp_path):
+  """bench --processes on a GPU: under each MPS daemon a short job runs before the timed ones
+  (the first job after a daemon starts runs slow), and its rows are dropped."""
+  import contextlib
+  processes = processes_on_a_gpu
   daemons = []
 
   @contextlib.contextmanager
@@ -213,19 +224,15 @@ def test_processes_on_a_gpu_warm_each_mps_daemon_up_first(monkeypatch, tmp_path)
     assert timed and all(env["OPS"] == json.dumps(processes.OPS) for env in timed)
 
 
-def test_processes_run_the_settings_named(monkeypatch, tmp_path):
+def test_processes_run_the_settings_named(processes_on_a_gpu, monkeypatch, tmp_path):
   """bench --processes --settings: only the settings named run, in that order (rows carry
   their setting's name: test_per_call_rows_of_donated_calls); an unknown name fails before
   any job, naming the known ones."""
-  import contextlib
-  from jax_hoccl.bench import processes
   from jax_hoccl.bench.__main__ import parse_args
+  processes = processes_on_a_gpu
   assert parse_args(["--processes", "--settings", "graphs,staged"]).settings == "graphs,staged"
   with pytest.raises(SystemExit):
     parse_args(["--settings", "graphs"])
-  monkeypatch.delenv("JAX_HOCCL_STAGED_BYTES", raising=False)
-  monkeypatch.setattr(processes.glob, "glob", lambda pattern: ["/dev/nvidia0"])
-  monkeypatch.setattr(processes, "mps_daemon", lambda: contextlib.nullcontext({}))
   envs = []
 
   def run(n, env):
@@ -246,17 +253,13 @@ def test_processes_run_the_settings_named(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("alone", [False, True])
-def test_processes_on_a_gpu_repeat_a_setting_that_runs_alone(monkeypatch, tmp_path, alone):
+def test_processes_on_a_gpu_repeat_a_setting_that_runs_alone(processes_on_a_gpu, monkeypatch,
+                                                             tmp_path, alone):
   """bench --processes on a GPU: every setting in one job each, or the caller's crossover
   alone in JOBS jobs, whose rows pool their rounds (one job's rows spread too much)."""
-  import contextlib
-  from jax_hoccl.bench import processes
+  processes = processes_on_a_gpu
   if alone:
     monkeypatch.setenv("JAX_HOCCL_STAGED_BYTES", str(1 << 20))
-  else:
-    monkeypatch.delenv("JAX_HOCCL_STAGED_BYTES", raising=False)
-  monkeypatch.setattr(processes.glob, "glob", lambda pattern: ["/dev/nvidia0"])
-  monkeypatch.setattr(processes, "mps_daemon", lambda: contextlib.nullcontext({}))
   timed = []
 
   def run(n, env):
