@@ -36,12 +36,12 @@ job is kept, and its rows say how many ran ("spell_reruns") and how far apart it
     python -m jax_hoccl.bench --processes [--settings staged,graphs] [--out DIR]
 
 Rows: {"op", "bytes_per_rank", "ranks", "mps", "setting", "path", "us_per_call",
-"baseline_us_per_call",
-"added_us_per_call", "spread_us" (the quartiles of the rounds' differences),
-"added_per_round_us", "jobs", "donated"}, from the rank the op adds most to; beside them what
-the op adds to the job, each round's slowest rank with it minus its slowest rank without
-("job_added_us_per_call", "job_spread_us", "job_added_per_round_us": ranks.with_job; a rank
-slower on its own counts once, not as a cost to the peers that wait for it), and every rank's
+"baseline_us_per_call", "added_us_per_call", "spread_us" (the quartiles of the rounds'
+differences), "added_per_round_us", "jobs", "donated"}, from the rank the op adds most to;
+beside them what the op adds to the job, each round's slowest rank with it minus its slowest
+rank without ("job_added_us_per_call", "job_spread_us", "job_added_per_round_us":
+ranks.with_job; a rank slower on its own counts once, not as a cost to the peers that wait
+for it), and every rank's
 medians ("us_per_call_by_rank", "baseline_us_per_call_by_rank", and its process's CPU time
 per call: "cpu_us_per_call_by_rank", "baseline_cpu_us_per_call_by_rank"; its context
 switches per call, [voluntary, involuntary]: "switches_per_call_by_rank",
