@@ -61,8 +61,8 @@ def paired(f, baseline, args, rounds: int = ROUNDS, calls: int = CALLS) -> dict:
   "baseline_us_per_round"; "cpu_us", "baseline_cpu_us": the medians of the process's CPU time
   per call; "switches", "baseline_switches": the medians of its voluntary and involuntary
   context switches per call; "dispatch_us", "baseline_dispatch_us": the medians of the time
-  per call until the round's last call returned} for `f` and `baseline` called on the same `args` (both compiled
-  by a first call here)."""
+  per call until the round's last call returned} for `f` and `baseline` called on the same
+  `args` (both compiled by a first call here)."""
   f(*args).block_until_ready()
   baseline(*args).block_until_ready()
   timed = ([], [])  # (wall, CPU, switches) per round: f's, the baseline's

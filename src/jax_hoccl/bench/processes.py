@@ -339,7 +339,7 @@ def run(out_dir: str, commit: str, names=None) -> str:
       for (setting, _), found in zip(chosen, per_setting):
         rows += [dict(r, setting=setting, mps=gpu) for r in _over_jobs(found)]
       if n == 2:  # the same calls with the handlers' host time counted by phase (64 KiB)
-        for _, setting in (c for c in chosen if "XLA_FLAGS" not in c[1]):  # handlers that run
+        for setting in (env for _, env in chosen if "XLA_FLAGS" not in env):  # handlers that run
           found, _ = _run(n, {**env, **setting, "JAX_HOCCL_PROFILE": "1",
                               "BYTES": json.dumps([64 << 10])})
           profile += found
