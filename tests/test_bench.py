@@ -98,6 +98,27 @@ def test_per_call_rows_set_each_collective_beside_the_program_without_it(tmp_pat
     assert r["baseline_us_per_call"] in r["baseline_us_per_call_by_rank"], r
     assert "us_per_round" not in r and "baseline_us_per_round" not in r, r
   assert isinstance(result["host_profile"], list)  # (phases are counted by the CUDA engine)
+  cpus = sorted(os.sched_getaffinity(0))
+  for when in ("before", "after"):  # whether the CPUs ran alike, around the jobs
+    speed = result["cpu_speed"][when]
+    assert speed["cpus"] == cpus and len(speed["loop_us"]) == processes.CPU_SPEED_PASSES
+    assert all(len(row) == len(cpus) and min(row) > 0 for row in speed["loop_us"]), speed
+
+
+def test_cpu_speed_times_the_loop_on_every_cpu_and_restores_the_affinity():
+  """cpu_speed.probe pins itself to each CPU in turn: a time per CPU and pass, wall and CPU
+  time alike for a loop that has its CPU to itself (within what a busy CI machine allows),
+  the ratio per pass, and the process's own CPUs back afterwards."""
+  from jax_hoccl.bench import cpu_speed
+  cpus = sorted(os.sched_getaffinity(0))
+  result = cpu_speed.probe(2)
+  assert sorted(os.sched_getaffinity(0)) == cpus == result["cpus"]
+  assert len(result["loop_us"]) == len(result["loop_cpu_us"]) == 2
+  for wall, cpu in zip(result["loop_us"], result["loop_cpu_us"]):
+    assert len(wall) == len(cpu) == len(cpus)
+    assert all(0 < c <= w * 1.05 + 50 for w, c in zip(wall, cpu)), (wall, cpu)
+  assert result["slowest_over_fastest"] == [round(max(r) / min(r), 3) for r in result["loop_us"]]
+  assert len(result["steal_ticks"]) == len(cpus) and min(result["steal_ticks"]) >= 0
 
 
 def test_a_job_in_one_ranks_slow_spell_runs_again():

@@ -56,7 +56,9 @@ XLA recorded the calls into CUDA graphs, and "recorded_per_call": how many times
 handler ran under capture (XLA traces a call for each set of buffer addresses it has not kept
 a trace of; on replay, and on updating a graph from kept traces, the handler does not run).
 And "host_profile": the same calls' host time inside
-jax_hoccl's handlers by phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks), on each path.
+jax_hoccl's handlers by phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks), on each path;
+"cpu_speed": whether the machine's CPUs ran alike before the jobs and after (cpu_speed.probe:
+on a VM a CPU may run slow for a while, and a rank on it slows its job).
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ import os
 import platform
 import textwrap
 
-from jax_hoccl.bench import machine, paired, ranks
+from jax_hoccl.bench import cpu_speed, machine, paired, ranks
 from jax_hoccl.launch import mps_daemon, run_workers
 
 OPS = ("psum", "all_gather", "psum_scatter", "all_to_all", "ppermute")
@@ -82,6 +84,7 @@ CAPTURED_FLAG = "--xla_gpu_graph_min_graph_size=1"
 # rank's over the fastest's) ran in one rank's slow spell: on a GPU it runs again, at most
 # SPELL_RERUNS times.
 SKEWED, SPELL_RERUNS = 1.5, 2
+CPU_SPEED_PASSES = 3  # cpu_speed.probe's passes over the CPUs, before the jobs and after
 # A short job run first under each MPS daemon, its rows dropped: the first job after a daemon
 # starts measured 2-4x the later ones
 # (benchmarks/results/raw/2026-12-03-1xH200-per-call-attribution.txt).
@@ -316,6 +319,8 @@ def run(out_dir: str, commit: str, names=None) -> str:
   gpu = bool(glob.glob("/dev/nvidia[0-9]*"))
   _settings(gpu, "", names)  # an unknown name fails before any job
   load = [os.getloadavg()[0]]  # a shared machine's load, at the start and the end
+  # and whether its CPUs ran alike (a slow CPU makes its rank the job's slow one)
+  speed = {"before": cpu_speed.probe(CPU_SPEED_PASSES)}
   rows, profile = [], []
   name = os.path.join(out_dir, f"{datetime.date.today()}-{machine.file_tag(gpu)}-per-call.json")
   for n in ((2, 4) if gpu else (2,)):
@@ -344,7 +349,8 @@ def run(out_dir: str, commit: str, names=None) -> str:
                               "BYTES": json.dumps([64 << 10])})
           profile += found
     # written after each group size too, so a run stopped during the next keeps these rows
-    result = _result(rows, profile, plat, gpu, load + [os.getloadavg()[0]], commit)
+    speed["after"] = cpu_speed.probe(CPU_SPEED_PASSES)
+    result = _result(rows, profile, plat, gpu, load + [os.getloadavg()[0]], speed, commit)
     os.makedirs(out_dir, exist_ok=True)
     with open(name, "w") as f:
       json.dump(result, f, indent=1)
@@ -352,8 +358,9 @@ def run(out_dir: str, commit: str, names=None) -> str:
   return name
 
 
-def _result(rows, profile, plat, gpu, load, commit) -> dict:
-  """The results JSON: the rows so far, with machine, versions and commit."""
+def _result(rows, profile, plat, gpu, load, speed, commit) -> dict:
+  """The results JSON: the rows so far, with machine, its load and CPU speeds, versions and
+  commit."""
   import jax
   import jaxlib
   return {"what": "time per jit call, back to back, against the same program without the "
@@ -364,6 +371,7 @@ def _result(rows, profile, plat, gpu, load, commit) -> dict:
           "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
           "devices": machine.gpu_names() if gpu else [],
           "load_average_1min": [round(x, 2) for x in load],
+          "cpu_speed": speed,
           "jax": jax.__version__, "jaxlib": jaxlib.__version__,
           "python": platform.python_version(), "commit": commit, "date": str(datetime.date.today()),
           "per_call": rows,
@@ -391,3 +399,6 @@ def _print(result: dict) -> None:
   print("host time inside the handlers per call, 64 KiB, 2 ranks (JAX_HOCCL_PROFILE=1):")
   for r in result["host_profile"]:
     print(f"  {r['op']:<13} {label(r):<17} {r['phase']:<28} {r['us_per_call']:8.1f} us")
+  print("the slowest CPU's time over the fastest's for one loop, per pass: " + ", ".join(
+      f"{when} " + " ".join(f"{x:.2f}" for x in p["slowest_over_fastest"])
+      for when, p in result["cpu_speed"].items()))

@@ -6,9 +6,9 @@ hypervisor ran something else while this VM's CPU wanted to run).
 
 On a VM a rank whose threads land on a CPU that runs slow for a while dispatches its calls
 slower, and its peers wait for it: bench --processes' spells (docs/design.md, "The staged
-path"). Run it before and after a benchmark to tell such CPUs apart.
+path"). bench --processes runs it before and after its jobs ("cpu_speed" in its results).
 
-    python benchmarks/probe_cpu_speed.py [--passes 10] [--json FILE]
+    python -m jax_hoccl.bench.cpu_speed [--passes 10] [--json FILE]
 """
 from __future__ import annotations
 
