@@ -396,7 +396,8 @@ def _print(result: dict) -> None:
           f"{r['added_us_per_call']:8.1f} {r['job_added_us_per_call']:7.1f} "
           f"{r.get('recorded_per_call', 0):4.2f}  "
           + " ".join(f"{b:.0f}" for b in r["baseline_us_per_call_by_rank"]))
-  print("host time inside the handlers per call, 64 KiB, 2 ranks (JAX_HOCCL_PROFILE=1):")
+  if result["host_profile"]:  # (none where every setting's calls are captured)
+    print("host time inside the handlers per call, 64 KiB, 2 ranks (JAX_HOCCL_PROFILE=1):")
   for r in result["host_profile"]:
     print(f"  {r['op']:<13} {label(r):<17} {r['phase']:<28} {r['us_per_call']:8.1f} us")
   print("the slowest CPU's time over the fastest's for one loop, per pass: " + ", ".join(
