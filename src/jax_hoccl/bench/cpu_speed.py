@@ -66,7 +66,8 @@ def probe(passes: int) -> dict:
   finally:
     os.sched_setaffinity(0, cpus)
   after = steal_by_cpu()
-  return {"cpus": cpus, "loop_us": table, "loop_cpu_us": cpu_table, "seconds": round(time.time() - t0, 2),
+  return {"cpus": cpus, "loop_us": table, "loop_cpu_us": cpu_table,
+          "seconds": round(time.time() - t0, 2),
           "slowest_over_fastest": [round(max(r) / min(r), 3) for r in table],
           "steal_ticks": [after.get(c, 0) - before.get(c, 0) for c in cpus],
           "ticks_per_s": os.sysconf("SC_CLK_TCK")}
