@@ -168,6 +168,8 @@ def test_steps_rows_set_each_step_beside_the_step_without_collectives(tmp_path, 
   result = json.load(open(steps.run(str(tmp_path), "test")))
   rows = result["step"]
   assert sorted(r["op"] for r in rows) == ["all_gather", "ppermute", "psum"], rows
+  assert all(len(result["cpu_speed"][when]["loop_us"]) == steps.CPU_SPEED_PASSES
+             for when in ("before", "after")), result["cpu_speed"]
   for r in rows:
     assert r["layers"] == steps.LAYERS and r["ranks"] == 2 and r["floor_us"] is None
     assert r["staged_sum"] is False  # the sum inside the exchange kernel is CUDA's

@@ -6,7 +6,8 @@ hypervisor ran something else while this VM's CPU wanted to run).
 
 On a VM a rank whose threads land on a CPU that runs slow for a while dispatches its calls
 slower, and its peers wait for it: bench --processes' spells (docs/design.md, "The staged
-path"). bench --processes runs it before and after its jobs ("cpu_speed" in its results).
+path"). bench --processes and --steps run it before and after their jobs ("cpu_speed" in
+their results).
 
     python -m jax_hoccl.bench.cpu_speed [--passes 10] [--json FILE]
 """

@@ -36,7 +36,8 @@ process's CPU time, every thread's). "recorded_per_call": how many times per col
 its handler ran under capture (processes.py says when).
 floor_us (on a GPU): the device-bound floor of a staged one-hop exchange of the row's size per
 rank (a step's activations, 64 x 1024 bf16; a chain's 64 KiB) across as many ranks, raw CUDA
-under the same MPS daemon, measured before the jobs (staged_floor.py).
+under the same MPS daemon, measured before the jobs (staged_floor.py). "cpu_speed": whether
+the machine's CPUs ran alike before the jobs and after (cpu_speed.probe, as in processes.py).
 """
 from __future__ import annotations
 
@@ -49,12 +50,13 @@ import platform
 import subprocess
 import textwrap
 
-from jax_hoccl.bench import machine, paired, ranks, staged_floor
+from jax_hoccl.bench import cpu_speed, machine, paired, ranks, staged_floor
 from jax_hoccl.launch import mps_daemon, run_workers
 
 LAYERS = 12
 CHAIN = 50
 ROUNDS, CALLS = paired.ROUNDS, paired.CALLS  # paired rounds per row, calls per round
+CPU_SPEED_PASSES = 3  # cpu_speed.probe's passes over the CPUs, before the jobs and after
 
 WORKER = textwrap.dedent("""
     import json, os, sys, time
@@ -170,6 +172,7 @@ def run(out_dir: str, commit: str, decode_only: bool = False) -> str:
     if gpu:  # in graphs, summed, packed; the GEMV inside the exchange and not
       jobs = [j for j in jobs if j[0] and j[1] and j[2]]
   step_bytes, chain_bytes = 64 * width * 2, 65536
+  speed = {"before": cpu_speed.probe(CPU_SPEED_PASSES)}  # whether the CPUs ran alike
   for n in ((2, 4) if gpu and not decode_only else (2,)):
     # {bytes: us}, measured once per number of ranks on a GPU (decode's rows have none)
     floor = None if gpu and not decode_only else {}
@@ -225,6 +228,7 @@ def run(out_dir: str, commit: str, decode_only: bool = False) -> str:
                                                        for b in r["baseline_us_by_rank"]],
                              cpu_us_per_call_by_rank=[c / LAYERS for c in r["cpu_us_by_rank"]],
                              recorded_per_call=r["recorded_per_call"]))
+  speed["after"] = cpu_speed.probe(CPU_SPEED_PASSES)
   import jax
   result = {"what": "steps of small layers with and without collectives, device time per "
                     "collective in a chain, decode's GEMV + psum (jax_hoccl/bench/steps.py)",
@@ -232,7 +236,7 @@ def run(out_dir: str, commit: str, decode_only: bool = False) -> str:
             "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
             "devices": machine.gpu_names() if gpu else [],
             "jax": jax.__version__, "commit": commit, "date": str(datetime.date.today()),
-            "step": steps, "device_latency": latency, "decode": decode}
+            "cpu_speed": speed, "step": steps, "device_latency": latency, "decode": decode}
   def against_floor(us, floor):
     return f" ({us / floor:.2f}x the floor, {floor:.1f} us)" if floor else ""
 
