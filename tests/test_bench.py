@@ -62,7 +62,7 @@ def test_per_call_rows_set_each_collective_beside_the_program_without_it(tmp_pat
   """--processes: two processes of one CPU device each; every (op, size) row carries the same
   program's time without the collective, measured in the same job, on each path (the staged
   one by default, the rendezvous with JAX_HOCCL_STAGED_BYTES=0), as the engine counted it."""
-  from jax_hoccl.bench import processes
+  from jax_hoccl.bench import cpu_speed, processes
   monkeypatch.setattr(processes, "OPS", ("psum", "ppermute"))
   monkeypatch.setattr(processes, "BYTES_PER_RANK", (4096,))
   monkeypatch.setattr(processes, "JOBS", 1)
@@ -101,7 +101,7 @@ def test_per_call_rows_set_each_collective_beside_the_program_without_it(tmp_pat
   cpus = sorted(os.sched_getaffinity(0))
   for when in ("before", "after"):  # whether the CPUs ran alike, around the jobs
     speed = result["cpu_speed"][when]
-    assert speed["cpus"] == cpus and len(speed["loop_us"]) == processes.CPU_SPEED_PASSES
+    assert speed["cpus"] == cpus and len(speed["loop_us"]) == cpu_speed.AROUND_JOBS
     assert all(len(row) == len(cpus) and min(row) > 0 for row in speed["loop_us"]), speed
 
 
@@ -162,13 +162,13 @@ def test_steps_rows_set_each_step_beside_the_step_without_collectives(tmp_path, 
   """--steps: two processes of one CPU device each; a step row per collective beside the same
   step without one, the chained collectives' device time and decode's GEMV + psum beside the
   GEMV alone."""
-  from jax_hoccl.bench import steps
+  from jax_hoccl.bench import cpu_speed, steps
   monkeypatch.setattr(steps, "ROUNDS", 4)
   monkeypatch.setattr(steps, "CALLS", 20)
   result = json.load(open(steps.run(str(tmp_path), "test")))
   rows = result["step"]
   assert sorted(r["op"] for r in rows) == ["all_gather", "ppermute", "psum"], rows
-  assert all(len(result["cpu_speed"][when]["loop_us"]) == steps.CPU_SPEED_PASSES
+  assert all(len(result["cpu_speed"][when]["loop_us"]) == cpu_speed.AROUND_JOBS
              for when in ("before", "after")), result["cpu_speed"]
   for r in rows:
     assert r["layers"] == steps.LAYERS and r["ranks"] == 2 and r["floor_us"] is None

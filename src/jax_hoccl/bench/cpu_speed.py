@@ -20,6 +20,7 @@ import statistics
 import time
 
 LOOP = 300_000  # sum(range(LOOP)): a few milliseconds of one core, no memory traffic
+AROUND_JOBS = 3  # the passes a benchmark runs before its jobs and after
 
 
 def steal_by_cpu() -> dict[int, int]:

@@ -84,7 +84,6 @@ CAPTURED_FLAG = "--xla_gpu_graph_min_graph_size=1"
 # rank's over the fastest's) ran in one rank's slow spell: on a GPU it runs again, at most
 # SPELL_RERUNS times.
 SKEWED, SPELL_RERUNS = 1.5, 2
-CPU_SPEED_PASSES = 3  # cpu_speed.probe's passes over the CPUs, before the jobs and after
 # A short job run first under each MPS daemon, its rows dropped: the first job after a daemon
 # starts measured 2-4x the later ones
 # (benchmarks/results/raw/2026-12-03-1xH200-per-call-attribution.txt).
@@ -320,7 +319,7 @@ def run(out_dir: str, commit: str, names=None) -> str:
   _settings(gpu, "", names)  # an unknown name fails before any job
   load = [os.getloadavg()[0]]  # a shared machine's load, at the start and the end
   # and whether its CPUs ran alike (a slow CPU makes its rank the job's slow one)
-  speed = {"before": cpu_speed.probe(CPU_SPEED_PASSES)}
+  speed = {"before": cpu_speed.probe(cpu_speed.AROUND_JOBS)}
   rows, profile = [], []
   name = os.path.join(out_dir, f"{datetime.date.today()}-{machine.file_tag(gpu)}-per-call.json")
   for n in ((2, 4) if gpu else (2,)):
@@ -349,7 +348,7 @@ def run(out_dir: str, commit: str, names=None) -> str:
                               "BYTES": json.dumps([64 << 10])})
           profile += found
     # written after each group size too, so a run stopped during the next keeps these rows
-    speed["after"] = cpu_speed.probe(CPU_SPEED_PASSES)
+    speed["after"] = cpu_speed.probe(cpu_speed.AROUND_JOBS)
     result = _result(rows, profile, plat, gpu, load + [os.getloadavg()[0]], speed, commit)
     os.makedirs(out_dir, exist_ok=True)
     with open(name, "w") as f:

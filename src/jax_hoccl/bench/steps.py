@@ -56,7 +56,6 @@ from jax_hoccl.launch import mps_daemon, run_workers
 LAYERS = 12
 CHAIN = 50
 ROUNDS, CALLS = paired.ROUNDS, paired.CALLS  # paired rounds per row, calls per round
-CPU_SPEED_PASSES = 3  # cpu_speed.probe's passes over the CPUs, before the jobs and after
 
 WORKER = textwrap.dedent("""
     import json, os, sys, time
@@ -172,7 +171,7 @@ def run(out_dir: str, commit: str, decode_only: bool = False) -> str:
     if gpu:  # in graphs, summed, packed; the GEMV inside the exchange and not
       jobs = [j for j in jobs if j[0] and j[1] and j[2]]
   step_bytes, chain_bytes = 64 * width * 2, 65536
-  speed = {"before": cpu_speed.probe(CPU_SPEED_PASSES)}  # whether the CPUs ran alike
+  speed = {"before": cpu_speed.probe(cpu_speed.AROUND_JOBS)}  # whether the CPUs ran alike
   for n in ((2, 4) if gpu and not decode_only else (2,)):
     # {bytes: us}, measured once per number of ranks on a GPU (decode's rows have none)
     floor = None if gpu and not decode_only else {}
@@ -228,7 +227,7 @@ def run(out_dir: str, commit: str, decode_only: bool = False) -> str:
                                                        for b in r["baseline_us_by_rank"]],
                              cpu_us_per_call_by_rank=[c / LAYERS for c in r["cpu_us_by_rank"]],
                              recorded_per_call=r["recorded_per_call"]))
-  speed["after"] = cpu_speed.probe(CPU_SPEED_PASSES)
+  speed["after"] = cpu_speed.probe(cpu_speed.AROUND_JOBS)
   import jax
   result = {"what": "steps of small layers with and without collectives, device time per "
                     "collective in a chain, decode's GEMV + psum (jax_hoccl/bench/steps.py)",
