@@ -1,6 +1,7 @@
 """psum: every rank gets the sum over ranks.
 
-Two algorithms, both compositions of the movers with an XLA sum (no kernel of ours):
+Two algorithms, both compositions of the movers with an XLA sum (on CUDA a staged one_shot
+block is summed inside the exchange kernel instead: one launch):
   one_shot : all_gather everything, sum locally. One round of copies: best for small inputs.
   two_step : psum_scatter then all_gather (each rank sums 1/n). Moves 2(n-1)/n of the bytes
              instead of (n-1): best for large inputs.
