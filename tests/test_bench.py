@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from jax_hoccl.bench import report
+from conftest import gpus
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -209,6 +210,29 @@ def test_processes_on_a_gpu_time_both_sums_with_and_without_graphs(monkeypatch):
                                             ("rendezvous", {"JAX_HOCCL_STAGED_BYTES": "0"})]
 
 
+def test_processes_time_the_floor_on_a_gpu_only():
+  """bench --processes: on a GPU each job also times one kernel copying the input in the
+  collective's place (the staged rows' floor); without one there is no such kernel."""
+  from jax_hoccl.bench import processes
+  assert processes.ops(False) == processes.OPS
+  assert processes.ops(True) == processes.OPS + (processes.FLOOR_OP,)
+
+
+@pytest.mark.skipif(not gpus(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("count", [3, 4096, (1 << 20) + 5])
+def test_the_floor_copies_its_input_on_a_gpu(dtype, count):
+  """The floor's kernel (hoccl_one_kernel_call) returns its input, whole words and tail."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import jax_hoccl  # noqa: F401  (registers the target)
+  x = (np.random.default_rng(0).standard_normal(count) * 50).astype(jnp.dtype(dtype))
+  copy = jax.jit(lambda v: jax.ffi.ffi_call(
+      "hoccl_one_kernel_call", jax.ShapeDtypeStruct(v.shape, v.dtype))(v))
+  np.testing.assert_array_equal(np.asarray(copy(jnp.asarray(x))), x)
+
+
 @pytest.fixture
 def processes_on_a_gpu(monkeypatch):
   """bench/processes.py as on a machine with a GPU (every setting, no caller's crossover), its
@@ -245,7 +269,7 @@ def test_processes_on_a_gpu_warm_each_mps_daemon_up_first(processes_on_a_gpu, mo
   for jobs in daemons:
     first, timed = jobs[0], jobs[1:]
     assert {k: first[k] for k in processes.WARM_UP} == processes.WARM_UP
-    assert timed and all(env["OPS"] == json.dumps(processes.OPS) for env in timed)
+    assert timed and all(env["OPS"] == json.dumps(processes.ops(True)) for env in timed)
 
 
 def test_processes_run_the_settings_named(processes_on_a_gpu, monkeypatch, tmp_path):

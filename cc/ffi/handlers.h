@@ -59,6 +59,8 @@ XLA_FFI_Error* kGemmRingStartCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* kRowsMatmulCuda(XLA_FFI_CallFrame* call_frame);
 // matmul_psum's GEMV and its staged psum, one kernel (command-buffer compatible)
 XLA_FFI_Error* kMatmulPsumStagedCuda(XLA_FFI_CallFrame* call_frame);
+// one kernel copying x to out: the cost of any one-kernel custom call (cuda/one_kernel_call.cu)
+XLA_FFI_Error* kOneKernelCallCuda(XLA_FFI_CallFrame* call_frame);
 #endif
 }
 

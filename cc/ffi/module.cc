@@ -78,6 +78,9 @@ nb::dict Registrations() {
   add("hoccl_psum_scatter_staged", nb::none(), HOCCL_CUDA(kPsumScatterStagedCuda));
   // CUDA only: matmul_psum's GEMV, multiplied inside the staged psum's packed exchange.
   add("hoccl_matmul_psum_staged", nb::none(), HOCCL_CUDA(kMatmulPsumStagedCuda));
+  // CUDA only: one kernel copying x to out, the floor bench --processes sets the staged calls
+  // beside.
+  add("hoccl_one_kernel_call", nb::none(), HOCCL_CUDA(kOneKernelCallCuda));
   // Async pairs.
   add("hoccl_all_gather_start", CpuStaged(hoccl::kAllGatherStartCpu),
       HOCCL_CUDA(kAllGatherStartCuda));

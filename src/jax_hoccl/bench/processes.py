@@ -10,28 +10,30 @@ NVLink: the host work per call and the protocol's hops transfer to several GPUs,
 cost does not). Without a GPU, 2 processes of one CPU device each.
 
 Every size runs on both paths, in alternating jobs: the default crossover (calls up to 1 MiB
-per peer staged) and JAX_HOCCL_STAGED_BYTES=0 (the per-call rendezvous: zero copy on GPU);
-on a GPU also the staged calls as copy calls and stream memory operations instead of the
-exchange kernel (JAX_HOCCL_STAGED_KERNEL=0), the staged psum and psum_scatter summed by XLA
-after the exchange instead of inside the exchange kernel (JAX_HOCCL_STAGED_SUM=0), and both
-sums with XLA recording every program into a CUDA graph (CAPTURED_FLAG: staged calls are
-replayed, their handler runs once), the sums inside the kernel also with each call's input
-donated (as a training loop's state: its output can take the input's buffer, so the addresses
-need not change and XLA need not update its graph before a launch): `settings` names them,
-and --settings runs those named alone. A JAX_HOCCL_STAGED_BYTES set by the caller runs alone
-(setting "environment"). 16 MiB per rank is above the crossover:
-both paths' rows are zero copy there. Without a GPU, and on one where a setting runs alone,
-the jobs repeat (JOBS times: the machine may be shared, and on a GPU one job's rows of a
-setting may read far from the next job's: docs/design.md, section 4) and a row pools their
+per peer staged) and JAX_HOCCL_STAGED_BYTES=0 (the per-call rendezvous: zero copy on GPU); on a
+GPU also the staged calls as copy calls and stream memory operations instead of the exchange
+kernel (JAX_HOCCL_STAGED_KERNEL=0), the staged psum and psum_scatter summed by XLA after the
+exchange instead of inside the exchange kernel (JAX_HOCCL_STAGED_SUM=0), and both sums with XLA
+recording every program into a CUDA graph (CAPTURED_FLAG: staged calls are replayed, their
+handler runs once), the sums inside the kernel also with each call's input donated (as a
+training loop's state: its output can take the input's buffer, so the addresses need not change
+and XLA need not update its graph before a launch): `settings` names them, and --settings runs
+those named alone. A JAX_HOCCL_STAGED_BYTES set by the caller runs alone (setting
+"environment"). 16 MiB per rank is above the crossover: both paths' rows are zero copy there.
+On a GPU every job also times, at the staged sizes, one kernel copying the input in the
+collective's place (op FLOOR_OP, path "floor": cc/cuda/one_kernel_call.cu, bound like the
+staged handlers): what any custom call of one kernel adds to the program, so that a staged row
+less its floor row is what jax_hoccl adds beyond it. Without a GPU, and on one where a setting
+runs alone, the jobs repeat (JOBS times: the machine may be shared, and on a GPU one job's rows
+of a setting may read far from the next job's: docs/design.md, section 4) and a row pools their
 rounds, keeping each job's own medians ("added_us_by_job", "job_added_us_by_job"), its ranks'
-CPU time per call ("cpu_us_per_call_by_rank_by_job",
-"baseline_cpu_us_per_call_by_rank_by_job") and their dispatch time per call
-("dispatch_us_per_call_by_rank_by_job"). On a GPU a short job runs first under each MPS
-daemon, its rows dropped (WARM_UP), and a job whose ranks ran the program without the
-collective more than SKEWED times apart (one rank in a slow spell of host work outside
-jax_hoccl, which its peers wait for) runs again, up to SPELL_RERUNS times; the least skewed
-job is kept, and its rows say how many ran ("spell_reruns") and how far apart its ranks were
-("rank_skew").
+CPU time per call ("cpu_us_per_call_by_rank_by_job", "baseline_cpu_us_per_call_by_rank_by_job")
+and their dispatch time per call ("dispatch_us_per_call_by_rank_by_job"). On a GPU a short job
+runs first under each MPS daemon, its rows dropped (WARM_UP), and a job whose ranks ran the
+program without the collective more than SKEWED times apart (one rank in a slow spell of host
+work outside jax_hoccl, which its peers wait for) runs again, up to SPELL_RERUNS times; the
+least skewed job is kept, and its rows say how many ran ("spell_reruns") and how far apart its
+ranks were ("rank_skew").
 
     python -m jax_hoccl.bench --processes [--settings staged,graphs] [--out DIR]
 
@@ -40,25 +42,24 @@ Rows: {"op", "bytes_per_rank", "ranks", "mps", "setting", "path", "us_per_call",
 differences), "added_per_round_us", "jobs", "donated"}, from the rank the op adds most to;
 beside them what the op adds to the job, each round's slowest rank with it minus its slowest
 rank without ("job_added_us_per_call", "job_spread_us", "job_added_per_round_us":
-ranks.with_job; a rank slower on its own counts once, not as a cost to the peers that wait
-for it), and every rank's
-medians ("us_per_call_by_rank", "baseline_us_per_call_by_rank", and its process's CPU time
-per call: "cpu_us_per_call_by_rank", "baseline_cpu_us_per_call_by_rank"; its context
-switches per call, [voluntary, involuntary]: "switches_per_call_by_rank",
+ranks.with_job; a rank slower on its own counts once, not as a cost to the peers that wait for
+it), and every rank's medians ("us_per_call_by_rank", "baseline_us_per_call_by_rank", and its
+process's CPU time per call: "cpu_us_per_call_by_rank", "baseline_cpu_us_per_call_by_rank"; its
+context switches per call, [voluntary, involuntary]: "switches_per_call_by_rank",
 "baseline_switches_per_call_by_rank"; its time per call until a round's last call returned,
 before the round waits for the device: "dispatch_us_per_call_by_rank",
-"baseline_dispatch_us_per_call_by_rank"); "path" is the path
-the op's calls took ("staged", "rendezvous" or "zero_copy", as the engine counted them on
-CPU); on a GPU's staged rows, "exchange": "packed" (the packed exchange, blocks up to
-JAX_HOCCL_STAGED_PACKED_BYTES), "kernel" or "copy_calls" (and for psum and psum_scatter
-"sum": "kernel" or "xla", who adds the blocks), and on a GPU "captured": whether
-XLA recorded the calls into CUDA graphs, and "recorded_per_call": how many times per call the
-handler ran under capture (XLA traces a call for each set of buffer addresses it has not kept
-a trace of; on replay, and on updating a graph from kept traces, the handler does not run).
-And "host_profile": the same calls' host time inside
-jax_hoccl's handlers by phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks), on each path;
-"cpu_speed": whether the machine's CPUs ran alike before the jobs and after (cpu_speed.probe:
-on a VM a CPU may run slow for a while, and a rank on it slows its job).
+"baseline_dispatch_us_per_call_by_rank"); "path" is the path the op's calls took ("staged",
+"rendezvous" or "zero_copy", as the engine counted them on CPU; "floor" for the floor); on a
+GPU's staged rows, "exchange": "packed" (the packed exchange, blocks up to
+JAX_HOCCL_STAGED_PACKED_BYTES), "kernel" or "copy_calls" (and for psum and psum_scatter "sum":
+"kernel" or "xla", who adds the blocks), and on a GPU "captured": whether XLA recorded the
+calls into CUDA graphs, and "recorded_per_call": how many times per call the handler ran under
+capture (XLA traces a call for each set of buffer addresses it has not kept a trace of; on
+replay, and on updating a graph from kept traces, the handler does not run). And
+"host_profile": the same calls' host time inside jax_hoccl's handlers by phase
+(JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks), on each path; "cpu_speed": whether the
+machine's CPUs ran alike before the jobs and after (cpu_speed.probe: on a VM a CPU may run slow
+for a while, and a rank on it slows its job).
 """
 from __future__ import annotations
 
@@ -78,6 +79,9 @@ BYTES_PER_RANK = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
 # Jobs per setting without a GPU, and on one where a setting runs alone: of three, a job in a
 # slow spell is the odd one, and the median over their pooled rounds reads the other two.
 JOBS = 3
+# On a GPU, also one kernel copying the input in the collective's place, at the staged sizes
+# (cc/cuda/one_kernel_call.cu): what any one-kernel custom call adds, the staged rows' floor.
+FLOOR_OP = "one_kernel_call"
 ROUNDS, CALLS = paired.ROUNDS, paired.CALLS  # paired rounds per row, calls per round
 # XLA's flag for the job whose calls XLA records into CUDA graphs: a graph of any size (its
 # default minimum leaves a program this small uncaptured).
@@ -103,6 +107,7 @@ WORKER = textwrap.dedent("""
     import jax_hoccl
     from jax_hoccl import _hoccl
     from jax_hoccl.bench import paired
+    from jax_hoccl.bench.processes import FLOOR_OP
     from jax_hoccl._src.ffi_targets import DEFAULT_STAGED_BYTES, staged_sums_in_kernel
     mesh = jax.make_mesh((n,), ("x",))
     rounds, calls = int(os.environ["ROUNDS"]), int(os.environ["CALLS"])
@@ -115,6 +120,8 @@ WORKER = textwrap.dedent("""
         "all_to_all": lambda v: jax_hoccl.all_to_all(v, "x", 1, 1, tiled=True) * 0.5,
         "ppermute": lambda v: jax_hoccl.ppermute(v, "x", shift) * 0.5,
         "none": lambda v: v * 0.5,
+        "one_kernel_call": lambda v: jax.ffi.ffi_call(  # a GPU's floor: one kernel copying v
+            "hoccl_one_kernel_call", jax.ShapeDtypeStruct(v.shape, v.dtype))(v) * 0.5,
     }
 
     programs = {}
@@ -149,7 +156,7 @@ WORKER = textwrap.dedent("""
         took = sorted(k for k in after if after[k] > before[k])
         staged = (os.environ.get("JAX_HOCCL_STAGED_BYTES") != "0"
                   and nbytes <= DEFAULT_STAGED_BYTES)
-        default = "staged" if staged else "zero_copy"
+        default = "floor" if op == FLOOR_OP else "staged" if staged else "zero_copy"
         return result, "+".join(took) or default  # the GPU engine counts no paths
 
     def profiled(f, nbytes):  # host time by phase over 1 + calls calls
@@ -162,7 +169,7 @@ WORKER = textwrap.dedent("""
         return _hoccl.host_profile(True)
 
     def gpu_fields(path, op, nbytes):  # the staged calls' engine, capture into graphs
-        if not os.environ.get("BENCH_GPU"):
+        if not os.environ.get("BENCH_GPU") or op == FLOOR_OP:
             return {}
         recorded_per_call = captured_rows[op, nbytes]
         out = {"captured": recorded_per_call > 0, "recorded_per_call": round(recorded_per_call, 3)}
@@ -177,6 +184,8 @@ WORKER = textwrap.dedent("""
     rows = []
     for nbytes in json.loads(os.environ["BYTES"]):
         for op in json.loads(os.environ["OPS"]):
+            if op == FLOOR_OP and nbytes > DEFAULT_STAGED_BYTES:  # the staged sizes' floor
+                continue
             key = dict(op=op, bytes_per_rank=nbytes, ranks=n)
             if os.environ.get("JAX_HOCCL_PROFILE"):  # where a call's host time goes, by phase
                 phases, path = taking(op, nbytes, lambda f: profiled(f, nbytes), 2 + calls)
@@ -201,6 +210,12 @@ WORKER = textwrap.dedent("""
     print("RESULT" + json.dumps({"rows": rows, "platform": jax.devices()[0].platform}), flush=True)
     os._exit(0)
 """)
+
+
+def ops(gpu: bool) -> tuple[str, ...]:
+  """The programs each job times beside the one without the collective: the collectives, and
+  on a GPU the floor."""
+  return OPS + (FLOOR_OP,) if gpu else OPS
 
 
 def _run(n: int, env: dict):
@@ -315,9 +330,9 @@ def run(out_dir: str, commit: str, names=None) -> str:
   # XLA:CPU hangs with many launches in flight and few threads (docs/design.md, section 3).
   base.setdefault("PJRT_NPROC", "16")
   base.setdefault("JAX_HOCCL_TIMEOUT_S", "60")
-  base.update(OPS=json.dumps(OPS), BYTES=json.dumps(BYTES_PER_RANK), ROUNDS=str(ROUNDS),
-              CALLS=str(CALLS))
   gpu = bool(glob.glob("/dev/nvidia[0-9]*"))
+  base.update(OPS=json.dumps(ops(gpu)), BYTES=json.dumps(BYTES_PER_RANK), ROUNDS=str(ROUNDS),
+              CALLS=str(CALLS))
   _settings(gpu, "", names)  # an unknown name fails before any job
   load = [os.getloadavg()[0]]  # a shared machine's load, at the start and the end
   # and whether its CPUs ran alike (a slow CPU makes its rank the job's slow one)
