@@ -226,7 +226,8 @@ def test_the_floor_copies_its_input_on_a_gpu(dtype, count):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  import jax_hoccl  # noqa: F401  (registers the target)
+  from jax_hoccl._src import ffi_targets
+  ffi_targets.register()  # (jax_hoccl's own ops register at their first lowering)
   x = (np.random.default_rng(0).standard_normal(count) * 50).astype(jnp.dtype(dtype))
   copy = jax.jit(lambda v: jax.ffi.ffi_call(
       "hoccl_one_kernel_call", jax.ShapeDtypeStruct(v.shape, v.dtype))(v))
