@@ -8,6 +8,7 @@ import statistics
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jax_hoccl.bench import report
@@ -218,6 +219,32 @@ def test_processes_time_the_floor_on_a_gpu_only():
   assert processes.ops(True) == processes.OPS + (processes.FLOOR_OP,)
 
 
+def test_rows_say_what_each_collective_adds_beyond_the_floor():
+  """beyond_floor_us: a row's job figure less the floor row's of its own setting, group size
+  and size; the floor rows, and sizes without one (zero copy), have none."""
+  from jax_hoccl.bench import processes
+  rng = np.random.default_rng(0)
+  rows, want = [], {}
+  for setting in ("staged", "graphs"):
+    for n in (2, 4):
+      for nbytes in (4096, 16 << 20):
+        floor = float(rng.uniform(1, 9))
+        if nbytes < 16 << 20:
+          rows.append(dict(op=processes.FLOOR_OP, setting=setting, ranks=n,
+                           bytes_per_rank=nbytes, job_added_us_per_call=floor))
+        for op in processes.OPS:
+          added = float(rng.uniform(1, 20))
+          rows.append(dict(op=op, setting=setting, ranks=n, bytes_per_rank=nbytes,
+                           job_added_us_per_call=added))
+          if nbytes < 16 << 20:
+            want[op, setting, n] = added - floor
+  out = processes.beside_floor(rows)
+  assert [{k: v for k, v in r.items() if k != "beyond_floor_us"} for r in out] == rows
+  got = {(r["op"], r["setting"], r["ranks"]): r["beyond_floor_us"] for r in out
+         if "beyond_floor_us" in r}
+  assert got == pytest.approx(want) and len(got) == len(processes.OPS) * 4
+
+
 @pytest.mark.skipif(not gpus(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("count", [3, 4096, (1 << 20) + 5])
@@ -225,7 +252,6 @@ def test_the_floor_copies_its_input_on_a_gpu(dtype, count):
   """The floor's kernel (hoccl_one_kernel_call) returns its input, whole words and tail."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from jax_hoccl._src import ffi_targets
   ffi_targets.register()  # (jax_hoccl's own ops register at their first lowering)
   x = (np.random.default_rng(0).standard_normal(count) * 50).astype(jnp.dtype(dtype))
@@ -466,7 +492,6 @@ def test_paired_rounds_run_the_dot_and_the_program_in_each_order(monkeypatch):
   first, and paired_round takes the geometric mean of the two orders' ratios."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from jax_hoccl.bench import gemm
 
   key = jax.random.split(jax.random.key(0), 3)

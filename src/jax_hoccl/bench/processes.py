@@ -55,11 +55,12 @@ JAX_HOCCL_STAGED_PACKED_BYTES), "kernel" or "copy_calls" (and for psum and psum_
 "kernel" or "xla", who adds the blocks), and on a GPU "captured": whether XLA recorded the
 calls into CUDA graphs, and "recorded_per_call": how many times per call the handler ran under
 capture (XLA traces a call for each set of buffer addresses it has not kept a trace of; on
-replay, and on updating a graph from kept traces, the handler does not run). And
-"host_profile": the same calls' host time inside jax_hoccl's handlers by phase
-(JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks), on each path; "cpu_speed": whether the
-machine's CPUs ran alike before the jobs and after (cpu_speed.probe: on a VM a CPU may run slow
-for a while, and a rank on it slows its job).
+replay, and on updating a graph from kept traces, the handler does not run), and
+"beyond_floor_us": "job_added_us_per_call" less the floor row's of the same setting, group size
+and size (beside_floor). And "host_profile": the same calls' host time inside jax_hoccl's
+handlers by phase (JAX_HOCCL_PROFILE=1, rank 0, 64 KiB, 2 ranks), on each path; "cpu_speed":
+whether the machine's CPUs ran alike before the jobs and after (cpu_speed.probe: on a VM a CPU
+may run slow for a while, and a rank on it slows its job).
 """
 from __future__ import annotations
 
@@ -391,15 +392,28 @@ def _result(rows, profile, plat, gpu, load, speed, commit) -> dict:
           "cpu_speed": speed,
           "jax": jax.__version__, "jaxlib": jaxlib.__version__,
           "python": platform.python_version(), "commit": commit, "date": str(datetime.date.today()),
-          "per_call": rows,
+          "per_call": beside_floor(rows),
           "host_profile": [dict(r, mps=gpu) for r in profile]}
+
+
+def beside_floor(rows: list[dict]) -> list[dict]:
+  """The rows, each collective's with what it adds to the job beyond the floor row of its
+  setting, group size and size ("beyond_floor_us"), where one was timed."""
+  floor = {(r["setting"], r["ranks"], r["bytes_per_rank"]): r["job_added_us_per_call"]
+           for r in rows if r["op"] == FLOOR_OP}
+  out = []
+  for r in rows:
+    f = floor.get((r["setting"], r["ranks"], r["bytes_per_rank"]))
+    beyond = r["op"] != FLOOR_OP and f is not None
+    out.append(dict(r, beyond_floor_us=r["job_added_us_per_call"] - f) if beyond else r)
+  return out
 
 
 def _print(result: dict) -> None:
   """The rows as a table, then the handlers' host time by phase."""
   rows = result["per_call"]
-  print(f"{'op':<13} {'per rank':>9} ranks {'path':<31} {'us/call':>9} {'added q1-q3':>15} "
-        f"{'without':>9} {'added':>8} {'job':>7} {'rec':>4}  without, by rank")
+  print(f"{'op':<15} {'per rank':>9} ranks {'path':<31} {'us/call':>9} {'added q1-q3':>15} "
+        f"{'without':>9} {'added':>8} {'job':>7} {'-floor':>7} {'rec':>4}  without, by rank")
   def label(r):  # the path, the staged exchange and who summed: "staged/kernel/sum"
     return (r["path"] + (f"/{r['exchange']}" if "exchange" in r else "")
             + ("/sum" if r.get("sum") == "kernel" else ""))
@@ -408,9 +422,10 @@ def _print(result: dict) -> None:
     spread = f"{r['spread_us'][0]:.0f}-{r['spread_us'][1]:.0f}"
     path = (label(r) + ("/graph" if r.get("captured") else "")
             + ("/donated" if r.get("donated") else ""))
-    print(f"{r['op']:<13} {r['bytes_per_rank']:9d} {r['ranks']:5d} {path:<31} "
+    beyond = f"{r['beyond_floor_us']:7.1f}" if "beyond_floor_us" in r else f"{'':>7}"
+    print(f"{r['op']:<15} {r['bytes_per_rank']:9d} {r['ranks']:5d} {path:<31} "
           f"{r['us_per_call']:9.1f} {spread:>15} {r['baseline_us_per_call']:9.1f} "
-          f"{r['added_us_per_call']:8.1f} {r['job_added_us_per_call']:7.1f} "
+          f"{r['added_us_per_call']:8.1f} {r['job_added_us_per_call']:7.1f} {beyond} "
           f"{r.get('recorded_per_call', 0):4.2f}  "
           + " ".join(f"{b:.0f}" for b in r["baseline_us_per_call_by_rank"]))
   if result["host_profile"]:  # (none where every setting's calls are captured)
