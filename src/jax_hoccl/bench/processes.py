@@ -363,8 +363,9 @@ def run(out_dir: str, commit: str, names=None) -> str:
         rows += [dict(r, setting=setting, mps=gpu) for r in _over_jobs(found)]
       if n == 2:  # the same calls with the handlers' host time counted by phase (64 KiB)
         for setting in (env for _, env in chosen if "XLA_FLAGS" not in env):  # handlers that run
+          # the collectives alone: the floor has no handler of jax_hoccl's to profile
           found, _ = _run(n, {**env, **setting, "JAX_HOCCL_PROFILE": "1",
-                              "BYTES": json.dumps([64 << 10])})
+                              "OPS": json.dumps(OPS), "BYTES": json.dumps([64 << 10])})
           profile += found
     # written after each group size too, so a run stopped during the next keeps these rows
     speed["after"] = cpu_speed.probe(cpu_speed.AROUND_JOBS)
